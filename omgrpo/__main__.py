@@ -1,0 +1,5 @@
+import sys
+
+from omgrpo.cli import main
+
+sys.exit(main())

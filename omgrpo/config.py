@@ -1,0 +1,247 @@
+"""The one config schema: Hydra structured configs (dataclasses), YAML only for presets.
+
+Every field has a docstring; `omgrpo train --help` / the README list the groups. Presets live in
+`experiments/` (`experiment/*.yaml`, `method/*.yaml`). Defaults train OM-GRPO on the toy world
+on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+
+@dataclass
+class RunConfig:
+    experiment: str = "toy"
+    """Experiment name: first part of the run name, groups runs in trackers."""
+    variant: str = "om_grpo"
+    """Variant within the experiment (method or ablation): second part of the run name."""
+    name: str = "${run.experiment}__${run.variant}__s${seed}"
+    """Run directory name under `run.root` (`<experiment>__<variant>__s<seed>`)."""
+    root: str = "runs"
+    """Folder holding one sub-folder per run (the local run store)."""
+    resume: bool = False
+    """Continue from the newest checkpoint in the run directory (refuses if the config differs)."""
+    tags: list[str] = field(default_factory=list)
+    """Free-form tags recorded with the run."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "toy"
+    """Task: `toy` (synthetic arithmetic world, labels known) or `files` (JSONL/Parquet)."""
+    ttt: bool = False
+    """Test-time training: train on the evaluation split without labels (labels only diagnose)."""
+    seed: int = 0
+    """Seed of the toy generator (splits are drawn from disjoint seeds)."""
+    n_train: int = 2000
+    """Toy: number of training problems."""
+    n_val: int = 128
+    """Toy: number of validation problems."""
+    n_test: int = 256
+    """Toy: number of test problems."""
+    min_steps: int = 2
+    """Toy: fewest operations per problem."""
+    max_steps: int = 3
+    """Toy: most operations per problem (harder problems, lower base accuracy)."""
+    max_start: int = 20
+    """Toy: largest starting value."""
+    max_operand: int = 20
+    """Toy: largest operand of + and -."""
+    max_factor: int = 5
+    """Toy: largest multiplier."""
+    max_value: int = 99
+    """Toy: every intermediate value stays in [0, max_value]."""
+    train_path: str | None = None
+    """Files: training set (.jsonl/.json/.parquet) with question/answer columns."""
+    val_path: str | None = None
+    """Files: validation set (labels required)."""
+    test_path: str | None = None
+    """Files: evaluation set (the training set in test-time training)."""
+    question_key: str = "question"
+    """Files: name of the question column."""
+    answer_key: str = "answer"
+    """Files: name of the answer column."""
+
+
+@dataclass
+class WarmStartConfig:
+    steps: int = 600
+    """SFT steps on the toy solutions; fewer steps give a weaker base (0 = untrained)."""
+    lr: float = 3e-3
+    """SFT learning rate (AdamW, cosine to 10%)."""
+    batch_size: int = 64
+    """SFT batch size (sequences)."""
+    seed: int = 0
+    """Seed of the initial weights and SFT batches."""
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None
+    """A local HF causal-LM directory or hub id; null builds the toy model (tiny Qwen3)."""
+    dtype: str = "auto"
+    """`auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16` or `fp32`."""
+    device: str = "auto"
+    """`auto` (cuda if available), `cpu` or `cuda[:N]`."""
+    hidden_size: int = 128
+    """Toy: model width."""
+    num_layers: int = 2
+    """Toy: transformer blocks."""
+    num_heads: int = 4
+    """Toy: attention heads."""
+    num_kv_heads: int = 2
+    """Toy: key/value heads (GQA, as Qwen3)."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Toy: SFT warm start that makes the base model; cached on disk by its settings."""
+    cache_dir: str = ".cache/omgrpo"
+    """Where toy base models are cached so every RL run starts from the same base."""
+    gradient_checkpointing: bool = False
+    """Trade compute for memory on real models."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """G: rollouts per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature during training."""
+    top_p: float = 1.0
+    """Nucleus sampling during training."""
+    max_new_tokens: int = 64
+    """Longest response (tokens)."""
+    max_prompt_len: int = 512
+    """Longer prompts are refused with an error naming the problem."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10
+    """Validate every N steps (and at step 0 and the end); 0 disables validation."""
+    num_prompts: int = 128
+    """Validation problems per evaluation (the first N of the split)."""
+    k: int = 4
+    """Samples per problem: reports avg@k and pass@k."""
+    temperature: float = 0.8
+    """Evaluation temperature (paper: 0.8)."""
+    top_p: float = 0.95
+    """Evaluation nucleus (paper: 0.95)."""
+    batch_size: int = 256
+    """Rollouts generated at once during validation."""
+
+
+@dataclass
+class RewardConfig:
+    parts: list[str] = field(default_factory=lambda: ["soft_vote", "format"])
+    """Named reward parts summed into the reward (see `omgrpo.rewards.REWARDS`); each is logged."""
+    weights: dict[str, float] = field(default_factory=dict)
+    """Optional weight per part (a part not listed here has weight 1.0)."""
+    math_verify: bool = True
+    """Fall back to math-verify when normalised answers differ (off: string/number match only)."""
+    equivalence_timeout: int = 5
+    """Seconds before a hung math-verify parse is killed (an int)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    answer_weight: float = 0.0
+    """w: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla GRPO)."""
+    format_only: bool = False
+    """Answer tokens get the advantage of the format reward alone (ablation)."""
+    clip: float = 0.2
+    """PPO clip range epsilon."""
+    kl_coef: float = 0.005
+    """beta of the k3 (low-variance) KL to the reference model; 0 skips the reference."""
+    agg: str = "token-mean"
+    """Loss aggregation: token-mean (divides by all response tokens), seq-mean-token-sum/-mean."""
+    adv_eps: float = 1e-6
+    """delta in (r - mean) / (std + delta)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    mini_batch_size: int | None = None
+    """Rollouts per optimizer step (null: all of the step's rollouts, one update)."""
+    micro_batch_size: int | None = None
+    """Rollouts per forward pass (gradient accumulation); null: the whole mini-batch."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-6
+    """AdamW learning rate (paper: 3e-6)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_ratio: float = 0.1
+    """Share of steps with linear warm-up before the cosine decay."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a share of lr."""
+    grad_clip: float = 1.0
+    """Max global grad norm (0 disables)."""
+
+
+@dataclass
+class TrainerConfig:
+    steps: int | None = 40
+    """Optimizer steps (rollout batches); null: epochs x batches per epoch."""
+    epochs: int = 1
+    """Used when steps is null (paper: 6, test-time training: 30)."""
+    prompts_per_step: int = 16
+    """Prompts per step (paper: 128); rollouts per step = prompts_per_step x rollout.n."""
+    save_every: int = 20
+    """Checkpoint every N steps (and at the end); 0 only at the end."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept on disk."""
+    log_rollouts_every: int = 5
+    """Write the step's rollouts to the run store every N steps (and at step 1)."""
+    max_consecutive_skips: int = 3
+    """Abort after this many consecutive steps with a NaN/inf loss."""
+    progress: bool = True
+    """Show a progress bar."""
+    threads: int | None = None
+    """torch CPU threads (null: torch's default)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    seed: int = 0
+    """Seed of sampling and data order (the toy base has its own seed: model.warm_start.seed)."""
+    method: str = "om_grpo"
+    """Name of the composed method preset (set by `method/*.yaml`); informational."""
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="omgrpo_schema", node=Config)
+
+
+def compose(overrides: list[str] | None = None, config_name: str = "config") -> DictConfig:
+    """Compose the config as `omgrpo train` would (for tests, notebooks and sweeps)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(EXPERIMENTS_DIR)):
+        return hydra_compose(config_name=config_name, overrides=list(overrides or []))
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """Resolved plain dict (what is logged and what resume compares)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)

@@ -1,0 +1,166 @@
+"""The toy world's model: a tiny Qwen3 built from a transformers config, and the SFT warm start
+that turns it into a base model of tunable strength.
+
+The base is cached on disk under a key of everything that determines it (architecture, SFT
+settings, toy-world ranges), so every RL run of an experiment starts from the same weights and
+the SFT cost is paid once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
+
+from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.tasks.base import build_messages
+from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems
+
+# Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.
+TOY_BASE_VERSION = 1
+SFT_PROBLEMS = 20_000
+
+
+def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen3ForCausalLM:
+    """A tiny Qwen3 (same architecture as the paper's Qwen3-1.7B-Base, scaled down)."""
+    head_dim = cfg.hidden_size // cfg.num_heads
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.hidden_size * 3,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        # eager attention is faster than sdpa for these tiny shapes on CPU
+        attn_implementation="eager",
+    )
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(config)
+
+
+def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
+    spec = {
+        "version": TOY_BASE_VERSION,
+        "arch": [
+            model_cfg.hidden_size,
+            model_cfg.num_layers,
+            model_cfg.num_heads,
+            model_cfg.num_kv_heads,
+        ],
+        "warm_start": dict(model_cfg.warm_start),
+        "world": _world_spec(task_cfg).__dict__,
+        "task_seed": task_cfg.seed,
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _world_spec(task_cfg: Any) -> ToyWorldSpec:
+    return ToyWorldSpec(
+        min_steps=task_cfg.min_steps,
+        max_steps=task_cfg.max_steps,
+        max_start=task_cfg.max_start,
+        max_operand=task_cfg.max_operand,
+        max_factor=task_cfg.max_factor,
+        max_value=task_cfg.max_value,
+    )
+
+
+def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) -> Path:
+    """Return the cached base-model directory, training it first if needed."""
+    key = toy_base_key(model_cfg, task_cfg)
+    out = Path(model_cfg.cache_dir) / f"toy-base-{key}"
+    if (out / "config.json").exists():
+        return out
+    tokenizer = build_char_tokenizer()
+    ws = model_cfg.warm_start
+    model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
+    problems = generate_sft_problems(
+        SFT_PROBLEMS, ws.seed, _world_spec(task_cfg), exclude_questions
+    )
+    start = time.perf_counter()
+    losses = sft(
+        model, tokenizer, problems, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed
+    )
+    # Write to a temporary directory and rename, so parallel runs never see half a model.
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    meta = {
+        "key": key,
+        "steps": ws.steps,
+        "seconds": round(time.perf_counter() - start, 1),
+        "final_loss": losses[-1] if losses else None,
+    }
+    (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2))
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def sft(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    problems: list,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+) -> list[float]:
+    """Supervised warm start on worked solutions; loss on the response tokens only."""
+    if steps <= 0:
+        return []
+    examples = []
+    for p in problems:
+        prompt = tokenizer.apply_chat_template(
+            build_messages(p.question), tokenize=False, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        target_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids, [*target_ids, tokenizer.eos_token_id]))
+    rng = random.Random(seed)
+    optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optim, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    model.train()
+    losses = []
+    bar = tqdm(range(steps), desc="warm start (SFT)", leave=False, disable=not os.isatty(2))
+    for _ in bar:
+        batch = rng.sample(examples, batch_size)
+        width = max(len(a) + len(b) for a, b in batch)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (a, b) in enumerate(batch):
+            seq = a + b
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(a) : len(seq)] = torch.tensor(b)
+            mask[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optim.step()
+        sched.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+    return losses

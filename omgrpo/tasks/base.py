@@ -1,0 +1,40 @@
+"""Problem container and the paper's prompt template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# The paper's system prompt (appendix, prompt template), used for every model.
+SYSTEM_PROMPT = "Let's think step by step and output the final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One question with its (optional) label.
+
+    `answer` is the ground truth; label-free methods never train on it, it is only used by the
+    `gt` reward and by diagnostics. `solution` is a worked chain of thought (toy world only, for
+    the SFT warm start). `paraphrase` is a meaning-preserving rewording (CoReward).
+    """
+
+    id: str
+    question: str
+    answer: str | None
+    solution: str | None = None
+    paraphrase: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class TaskSplits:
+    train: list[Problem]
+    val: list[Problem]
+    test: list[Problem]
+
+
+def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
+    """Chat messages of the paper's template: the system instruction, then the question."""
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": question},
+    ]

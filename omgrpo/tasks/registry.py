@@ -1,0 +1,55 @@
+"""Task registry: `load_task(cfg)` returns the train/val/test splits of the configured task."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omgrpo.tasks.base import TaskSplits
+from omgrpo.tasks.files import load_problems
+from omgrpo.tasks.toy import ToyWorldSpec, generate_toy_splits
+
+
+def _toy(cfg: Any) -> TaskSplits:
+    spec = ToyWorldSpec(
+        min_steps=cfg.min_steps,
+        max_steps=cfg.max_steps,
+        max_start=cfg.max_start,
+        max_operand=cfg.max_operand,
+        max_factor=cfg.max_factor,
+        max_value=cfg.max_value,
+    )
+    return generate_toy_splits(cfg.n_train, cfg.n_val, cfg.n_test, seed=cfg.seed, spec=spec)
+
+
+def _files(cfg: Any) -> TaskSplits:
+    if not cfg.train_path:
+        raise ValueError("task=files needs task.train_path (a .jsonl or .parquet file)")
+
+    def load(path: str | None, split: str, require_answer: bool):
+        if not path:
+            return []
+        return load_problems(path, cfg.question_key, cfg.answer_key, split, require_answer)
+
+    # Test-time training trains on the evaluation split, which may be unlabeled.
+    train = load(cfg.train_path, "train", require_answer=not cfg.ttt)
+    val = load(cfg.val_path, "val", require_answer=True)
+    test = load(cfg.test_path, "test", require_answer=False)
+    return TaskSplits(train=train, val=val or test, test=test)
+
+
+TASKS: dict[str, Callable[[Any], TaskSplits]] = {"toy": _toy, "files": _files}
+
+
+def load_task(cfg: Any) -> TaskSplits:
+    """Build the splits for `cfg.name`; in test-time-training mode the train split is the
+    evaluation split with its labels kept only for diagnostics."""
+    if cfg.name not in TASKS:
+        raise ValueError(f"unknown task '{cfg.name}'; valid tasks: {', '.join(sorted(TASKS))}")
+    splits = TASKS[cfg.name](cfg)
+    if cfg.ttt:
+        evaluation = splits.test or splits.val
+        splits = TaskSplits(train=list(evaluation), val=list(evaluation), test=list(evaluation))
+    if not splits.train:
+        raise ValueError(f"task '{cfg.name}' has an empty train split")
+    return splits
