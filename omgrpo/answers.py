@@ -407,11 +407,14 @@ def _get_pool() -> Any:
         _shutdown_pool()
         from pebble import ProcessPool
 
-        # spawn: never fork a trainer that holds CUDA contexts / threads.
+        # fork where available: spawn/forkserver re-import the caller's __main__, which re-runs
+        # any unguarded user script inside the worker. The forked worker only runs sympy /
+        # math-verify code, never torch or CUDA, so inheriting the trainer's state is harmless.
+        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         _POOL = ProcessPool(
             max_workers=1,
             initializer=_mv_init,
-            context=multiprocessing.get_context("spawn"),
+            context=multiprocessing.get_context(method),
         )
         _POOL_PID = pid
         return _POOL
@@ -469,8 +472,9 @@ def equivalent(a: str, b: str, timeout: int = 5) -> bool:
     2. both plain numbers → numeric comparison (abs/rel tol 1e-9; integers exactly), final;
     3. otherwise math-verify in a killable worker process (``timeout`` seconds, int ≥ 1).
 
-    The worker is a *spawn* process: like any spawn pool it re-imports the caller's
-    ``__main__``, so entry-point scripts need an ``if __name__ == "__main__":`` guard.
+    The worker is forked where the platform allows it; elsewhere (macOS, Windows) it is spawned,
+    which re-imports the caller's ``__main__``: entry-point scripts there need an
+    ``if __name__ == "__main__":`` guard.
     """
     try:
         x, y = normalize(a), normalize(b)

@@ -81,7 +81,6 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_math_verify(cfg.reward.math_verify)
-    _seed_everything(cfg.seed)
 
     # -- data and models ---------------------------------------------------------------
     splits = load_task(cfg.task)
@@ -95,6 +94,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     ref = None
     if cfg.algorithm.kl_coef > 0:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
+    _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
     encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
     coreward = "coreward" in cfg.reward.parts
     if coreward and any(p.paraphrase is None for p in splits.train):
