@@ -82,5 +82,5 @@ def test_compute_rewards_weighted_sum_and_parts():
 def test_compute_rewards_rejects_bad_config():
     with pytest.raises(ValueError, match="unknown reward"):
         compute_rewards([make_group(["1"])], ["soft_vote", "typo"])
-    with pytest.raises(ValueError, match="not in reward.parts"):
+    with pytest.raises(ValueError, match=r"not in reward\.parts"):
         compute_rewards([make_group(["1"])], ["soft_vote"], {"format": 1.0})

@@ -46,7 +46,7 @@ def test_resume_refuses_a_checkpoint_from_another_config(tiny_overrides):
 def test_refuses_to_overwrite_a_run_without_resume(tiny_overrides):
     cfg = compose([*tiny_overrides, "trainer.steps=1", "run.name=y"])
     train(cfg)
-    with pytest.raises(FileExistsError, match="run.resume=true"):
+    with pytest.raises(FileExistsError, match=r"run\.resume=true"):
         train(cfg)
 
 
