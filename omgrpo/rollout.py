@@ -57,6 +57,16 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
@@ -105,43 +115,33 @@ def sample(
 
 def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pad_id):
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(prompts, pad_id))
-    batch = prompt_ids.shape[0]
-    cache = DynamicCache()
-    mask = prompt_mask
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=mask,
-        position_ids=_positions(mask),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    next_pos = mask.sum(-1, keepdim=True)  # (B, 1)
+    batch = len(prompts)
+    logits, cache, mask, next_pos = shared_prefix_forward(model, prompts, pad_id, use_cache=True)
     tokens, alive = [], torch.ones(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        tok = _sample_next(out.logits[:, -1, :], temperature, top_p)
+        tok = _sample_next(logits[:, -1, :], temperature, top_p)
         tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
         tokens.append(tok)
         alive = alive & (tok != eos_id)
         if not alive.any():
             break
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], -1)
-        out = model(
+        logits = model(
             input_ids=tok[:, None],
             attention_mask=mask,
             position_ids=next_pos,
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-        )
+        ).logits
         next_pos = next_pos + 1
     response = torch.stack(tokens, dim=1)
     # A token is part of the response up to and including the first eos.
     before_eos = (response == eos_id).long().cumsum(-1) - (response == eos_id).long()
     response_mask = (before_eos == 0).long()
     response = response.masked_fill(response_mask == 0, pad_id)
-    return Sequences(prompt_ids.cpu(), prompt_mask.cpu(), response.cpu(), response_mask.cpu())
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    return Sequences(prompt_ids, prompt_mask, response.cpu(), response_mask.cpu())
 
 
 def _concat(parts: list[Sequences], pad_id: int) -> Sequences:
@@ -162,17 +162,94 @@ def _concat(parts: list[Sequences], pad_id: int) -> Sequences:
     )
 
 
-def response_logits(model: torch.nn.Module, seqs: Sequences) -> torch.Tensor:
-    """Logits (B, T, V) predicting each response token."""
+def response_logits(
+    model: torch.nn.Module, seqs: Sequences, share_prefix: bool = True, pad_id: int = 0
+) -> torch.Tensor:
+    """Logits (B, T, V) predicting each response token (with grad if enabled).
+
+    With `share_prefix` the prompts' common prefix (the system prompt of the chat template) is
+    run once and its KV cache broadcast to every row, which halves the toy world's compute; the
+    result equals the plain forward up to float round-off (tested).
+    """
     device = next(model.parameters()).device
+    t = seqs.response_ids.shape[1]
+    if share_prefix:
+        prompts = [row[m.bool()].tolist() for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)]
+        logits, *_ = shared_prefix_forward(
+            model,
+            prompts,
+            pad_id,
+            tail_ids=seqs.response_ids.to(device),
+            tail_mask=seqs.response_mask.to(device),
+            logits_to_keep=t + 1,
+        )
+        return logits[:, :-1, :]
     seqs = seqs.to(device)
     ids = torch.cat([seqs.prompt_ids, seqs.response_ids], dim=1)
     mask = torch.cat([seqs.prompt_mask, seqs.response_mask], dim=1)
-    t = seqs.response_ids.shape[1]
     logits = model(
         input_ids=ids, attention_mask=mask, position_ids=_positions(mask), logits_to_keep=t + 1
     ).logits
     return logits[:, :-1, :]
+
+
+def common_prefix_len(rows: list[list[int]]) -> int:
+    first, n = rows[0], min(len(r) for r in rows)
+    for i in range(n):
+        if any(r[i] != first[i] for r in rows):
+            return i
+    return n
+
+
+def shared_prefix_forward(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    tail_ids: torch.Tensor | None = None,
+    tail_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 1,
+    use_cache: bool = False,
+):
+    """Forward `prompt_i + tail_i` for every row, computing the rows' common prefix once.
+
+    Layout: [shared prefix (L)] [left-padded rest of each prompt] [tail (right-padded)].
+    Returns (logits of the last `logits_to_keep` positions, KV cache, attention mask (B, L+R),
+    next position id (B, 1)).
+    """
+    device = next(model.parameters()).device
+    batch = len(prompts)
+    # Every row keeps at least one own token so the last prompt position is always computed.
+    shared = max(0, min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1))
+    rest_ids, rest_mask = (x.to(device) for x in left_pad([p[shared:] for p in prompts], pad_id))
+    if tail_ids is not None:
+        rest_ids = torch.cat([rest_ids, tail_ids.to(device)], dim=1)
+        rest_mask = torch.cat([rest_mask, tail_mask.to(device, rest_mask.dtype)], dim=1)
+    cache = DynamicCache()
+    if shared:
+        prefix = torch.tensor([prompts[0][:shared]], device=device)
+        model(
+            input_ids=prefix,
+            position_ids=torch.arange(shared, device=device)[None],
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        for layer in cache.layers:  # broadcast, no copy; gradients flow back through expand
+            layer.keys = layer.keys.expand(batch, -1, -1, -1)
+            layer.values = layer.values.expand(batch, -1, -1, -1)
+    ones = torch.ones((batch, shared), dtype=rest_mask.dtype, device=device)
+    mask = torch.cat([ones, rest_mask], dim=1)
+    positions = (shared + rest_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=rest_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=logits_to_keep,
+    )
+    next_pos = shared + rest_mask.sum(-1, keepdim=True)
+    return out.logits, (cache if use_cache else None), mask, next_pos
 
 
 def score(

@@ -22,7 +22,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from omgrpo.losses import token_logprobs_and_entropy
 from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.rollout import Sequences, left_pad, response_logits, right_pad
 from omgrpo.tasks.base import build_messages
 from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems
 
@@ -145,16 +147,12 @@ def sft(
     bar = tqdm(range(steps), desc="warm start (SFT)", leave=False, disable=not os.isatty(2))
     for _ in bar:
         batch = rng.sample(examples, batch_size)
-        width = max(len(a) + len(b) for a, b in batch)
-        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
-        labels = torch.full((batch_size, width), -100)
-        mask = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (a, b) in enumerate(batch):
-            seq = a + b
-            ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(a) : len(seq)] = torch.tensor(b)
-            mask[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        prompt_ids, prompt_mask = left_pad([a for a, _ in batch], tokenizer.pad_token_id)
+        target_ids, target_mask = right_pad([b for _, b in batch], tokenizer.pad_token_id)
+        seqs = Sequences(prompt_ids, prompt_mask, target_ids, target_mask)
+        logits = response_logits(model, seqs, pad_id=tokenizer.pad_token_id)
+        logprobs, _ = token_logprobs_and_entropy(logits, target_ids)
+        loss = -(logprobs * target_mask).sum() / target_mask.sum()
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -1,0 +1,113 @@
+"""Toy world generator and file datasets."""
+
+import json
+
+import pytest
+
+from omgrpo.config import compose
+from omgrpo.tasks import load_task
+from omgrpo.tasks.files import load_problems
+from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems, generate_toy_splits
+
+
+def _evaluate(question: str) -> int:
+    """Plain left-to-right evaluation of 'Evaluate left to right: 7+5*3-4'."""
+    expr = question.split(": ", 1)[1]
+    value, i = None, 0
+    num = ""
+    op = None
+    for ch in expr + "$":
+        if ch.isdigit():
+            num += ch
+            continue
+        n = int(num)
+        num = ""
+        if value is None:
+            value = n
+        elif op == "+":
+            value += n
+        elif op == "-":
+            value -= n
+        else:
+            value *= n
+        op = ch
+        i += 1
+    return value
+
+
+def test_toy_splits_are_deterministic_disjoint_and_correct():
+    a = generate_toy_splits(200, 50, 50, seed=3)
+    b = generate_toy_splits(200, 50, 50, seed=3)
+    assert a == b
+    train, val, test = ({p.question for p in s} for s in (a.train, a.val, a.test))
+    assert not (train & val) and not (train & test) and not (val & test)
+    for p in a.train + a.val:
+        assert int(p.answer) == _evaluate(p.question)
+        assert 0 <= int(p.answer) <= 99
+        assert p.solution.endswith(f"\\boxed{{{p.answer}}}.")
+        assert p.paraphrase.startswith("Start with ")
+        assert 2 <= p.meta["steps"] <= 3
+    assert generate_toy_splits(20, 5, 5, seed=4) != generate_toy_splits(20, 5, 5, seed=3)
+
+
+def test_toy_solution_shows_each_step():
+    spec = ToyWorldSpec(min_steps=3, max_steps=3)
+    p = generate_toy_splits(1, 0, 0, seed=0, spec=spec).train[0]
+    lines = p.solution.splitlines()
+    assert len(lines) == 4
+    assert lines[-2].split("=")[1] == p.answer
+
+
+def test_sft_problems_avoid_the_rl_splits():
+    splits = generate_toy_splits(100, 20, 20, seed=0)
+    seen = {p.question for p in splits.train + splits.val + splits.test}
+    sft = generate_sft_problems(500, seed=0, spec=ToyWorldSpec(), exclude=seen)
+    assert len(sft) == 500 and not ({p.question for p in sft} & seen)
+
+
+def test_impossible_toy_request_is_a_clear_error():
+    with pytest.raises(ValueError, match="cannot draw"):
+        generate_toy_splits(10_000, 0, 0, spec=ToyWorldSpec(max_start=2, max_steps=1, min_steps=1,
+                                                            max_operand=1, max_factor=2))
+
+
+def test_file_dataset_rows_are_validated(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"question": "1+1?", "answer": 2}) + "\n")
+    (p,) = load_problems(good)
+    assert p.question == "1+1?" and p.answer == "2"
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"q": 1}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: missing or empty 'question'"):
+        load_problems(bad)
+
+    noanswer = tmp_path / "noanswer.jsonl"
+    noanswer.write_text(json.dumps({"question": "q"}) + "\n")
+    with pytest.raises(ValueError, match=r"noanswer\.jsonl, row 0: missing 'answer'"):
+        load_problems(noanswer)
+    assert load_problems(noanswer, require_answer=False)[0].answer is None
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"question": "q", "answer": 1}\n{not json\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl, row 1: invalid JSON"):
+        load_problems(broken)
+
+
+def test_parquet_dataset_and_custom_keys(tmp_path):
+    import pandas as pd
+
+    path = tmp_path / "math.parquet"
+    pd.DataFrame({"problem": ["a", "b"], "solution": ["1", "2"]}).to_parquet(path)
+    probs = load_problems(path, question_key="problem", answer_key="solution")
+    assert [p.answer for p in probs] == ["1", "2"]
+
+
+def test_load_task_files_and_unknown_task(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(3)))
+    cfg = compose(["task.name=files", f"task.train_path={path}", f"task.val_path={path}"])
+    splits = load_task(cfg.task)
+    assert len(splits.train) == 3 and len(splits.val) == 3
+    with pytest.raises(ValueError, match="unknown task 'nope'; valid tasks: files, toy"):
+        load_task(compose(["task.name=nope"]).task)
