@@ -34,7 +34,7 @@ from omgrpo.answers import equivalent, extract_boxed, set_math_verify
 from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
 from omgrpo.diagnostics import answer_diagnostics
-from omgrpo.losses import group_advantages, grpo_loss, token_logprobs_and_entropy
+from omgrpo.losses import AGG_MODES, group_advantages, grpo_loss, token_logprobs_and_entropy
 from omgrpo.models.loading import (
     base_model_dir,
     load_model,
@@ -46,7 +46,7 @@ from omgrpo.rewards import compute_rewards, get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
-from omgrpo.tasks import Problem, build_messages, load_task
+from omgrpo.tasks import TASKS, Problem, build_messages, load_task
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
 
@@ -70,8 +70,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
     step as if the process were killed (used to test resume)."""
     config = to_container(cfg)
-    for name in cfg.reward.parts:
-        get_reward(name)  # unknown names fail before any work
+    check_config(cfg)
     store = RunStore(Path(cfg.run.root) / cfg.run.name)
     if store.has_progress() and not cfg.run.resume:
         raise FileExistsError(
@@ -295,6 +294,22 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
 # ----------------------------------------------------------------------------------------
 # Pieces of the step
 # ----------------------------------------------------------------------------------------
+def check_config(cfg) -> None:
+    """Fail on names and values that would otherwise fail minutes later, listing valid ones."""
+    for name in cfg.reward.parts:
+        get_reward(name)
+    if cfg.task.name not in TASKS:
+        raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
+    if cfg.algorithm.agg not in AGG_MODES:
+        raise ValueError(
+            f"unknown algorithm.agg '{cfg.algorithm.agg}'; valid: {', '.join(AGG_MODES)}"
+        )
+    if cfg.algorithm.answer_weight < 0:
+        raise ValueError("algorithm.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO)")
+    if cfg.rollout.n < 2:
+        raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
+
+
 class PromptEncoder:
     """Question -> prompt token ids through the model's chat template (paper's template)."""
 

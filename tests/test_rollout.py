@@ -22,12 +22,25 @@ def _prompts(tok):
 def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
     model, tok = _model()
     prompts = _prompts(tok)
-    batch = sample(model, prompts, n=1, max_new_tokens=12, temperature=0.0, top_p=1.0,
-                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    batch = sample(
+        model,
+        prompts,
+        n=1,
+        max_new_tokens=12,
+        temperature=0.0,
+        top_p=1.0,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
     for i, p in enumerate(prompts):
-        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             do_sample=False, max_new_tokens=12, eos_token_id=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id)[0, len(p):]
+        ref = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )[0, len(p) :]
         n = int(batch.response_mask[i].sum())
         assert batch.response_ids[i, :n].tolist() == ref[:n].tolist()
 
@@ -36,15 +49,24 @@ def test_scores_do_not_depend_on_batch_padding():
     model, tok = _model()
     prompts = _prompts(tok)
     torch.manual_seed(0)
-    batch = sample(model, prompts, n=2, max_new_tokens=10, temperature=1.0, top_p=1.0,
-                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    batch = sample(
+        model,
+        prompts,
+        n=2,
+        max_new_tokens=10,
+        temperature=1.0,
+        top_p=1.0,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
     together = score(model, batch, with_stats=True)
     for i in range(len(batch)):
         alone = score(model, batch.select(slice(i, i + 1)))
         n = int(batch.response_mask[i].sum())
         # alone: no left padding beyond this prompt's own width
-        torch.testing.assert_close(together["logprobs"][i, :n], alone["logprobs"][0, :n],
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            together["logprobs"][i, :n], alone["logprobs"][0, :n], atol=1e-5, rtol=1e-5
+        )
     assert (together["entropy"] >= 0).all()
     assert (together["self_certainty"] >= -1e-5).all()  # KL(U || p) >= 0
 
@@ -52,8 +74,14 @@ def test_scores_do_not_depend_on_batch_padding():
 def test_sampling_is_reproducible_from_the_rng_state_and_chunking_is_transparent():
     model, tok = _model()
     prompts = _prompts(tok)
-    kwargs = dict(n=3, max_new_tokens=8, temperature=1.0, top_p=0.9, eos_id=tok.eos_token_id,
-                  pad_id=tok.pad_token_id)
+    kwargs = dict(
+        n=3,
+        max_new_tokens=8,
+        temperature=1.0,
+        top_p=0.9,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
     torch.manual_seed(1)
     a = sample(model, prompts, **kwargs)
     torch.manual_seed(1)
@@ -69,12 +97,21 @@ def test_sampling_is_reproducible_from_the_rng_state_and_chunking_is_transparent
 
 def test_shared_prefix_forward_equals_the_plain_forward_with_gradients():
     model, tok = _model()
-    system = tok("<|im_start|>system\nLet's think step by step.<|im_end|>\n",
-                 add_special_tokens=False)["input_ids"]
+    system = tok(
+        "<|im_start|>system\nLet's think step by step.<|im_end|>\n", add_special_tokens=False
+    )["input_ids"]
     prompts = [system + p for p in _prompts(tok)]
     torch.manual_seed(0)
-    batch = sample(model, prompts, n=2, max_new_tokens=10, temperature=1.0, top_p=1.0,
-                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+    batch = sample(
+        model,
+        prompts,
+        n=2,
+        max_new_tokens=10,
+        temperature=1.0,
+        top_p=1.0,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
     from omgrpo.rollout import response_logits
 
     mask = batch.response_mask.bool()

@@ -67,8 +67,12 @@ def test_sft_problems_avoid_the_rl_splits():
 
 def test_impossible_toy_request_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot draw"):
-        generate_toy_splits(10_000, 0, 0, spec=ToyWorldSpec(max_start=2, max_steps=1, min_steps=1,
-                                                            max_operand=1, max_factor=2))
+        generate_toy_splits(
+            10_000,
+            0,
+            0,
+            spec=ToyWorldSpec(max_start=2, max_steps=1, min_steps=1, max_operand=1, max_factor=2),
+        )
 
 
 def test_file_dataset_rows_are_validated(tmp_path):
@@ -78,7 +82,9 @@ def test_file_dataset_rows_are_validated(tmp_path):
     assert p.question == "1+1?" and p.answer == "2"
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"q": 1}) + "\n")
+    bad.write_text(
+        json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"q": 1}) + "\n"
+    )
     with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: missing or empty 'question'"):
         load_problems(bad)
 
@@ -105,7 +111,9 @@ def test_parquet_dataset_and_custom_keys(tmp_path):
 
 def test_load_task_files_and_unknown_task(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(3)))
+    path.write_text(
+        "".join(json.dumps({"question": f"q{i}", "answer": i}) + "\n" for i in range(3))
+    )
     cfg = compose(["task.name=files", f"task.train_path={path}", f"task.val_path={path}"])
     splits = load_task(cfg.task)
     assert len(splits.train) == 3 and len(splits.val) == 3

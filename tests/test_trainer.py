@@ -55,6 +55,27 @@ def test_unknown_reward_is_rejected_before_any_work(tiny_overrides):
         train(compose([*tiny_overrides, "reward.parts=[votes]"]))
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.agg=mean", "unknown algorithm.agg 'mean'; valid: token-mean"),
+        ("task.name=gsm", "unknown task 'gsm'; valid tasks: files, toy"),
+        ("rollout.n=1", "rollout.n must be >= 2"),
+        ("algorithm.answer_weight=-1", "answer_weight must be >= 0"),
+    ],
+)
+def test_bad_config_values_fail_fast(tiny_overrides, override, message):
+    with pytest.raises(ValueError, match=message):
+        train(compose([*tiny_overrides, override]))
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=r"(?s)Available options in 'method'.*om_grpo"):
+        compose(["method=nope"])
+
+
 def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, monkeypatch):
     real = trainer_module.grpo_loss
     calls = {"n": 0}

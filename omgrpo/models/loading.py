@@ -30,7 +30,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def base_model_dir(model_cfg: Any, task_cfg: Any, splits: TaskSplits) -> str:
     """Directory or hub id of the base model (training the toy base on first use)."""
     if model_cfg.path:
-        return str(model_cfg.path)
+        path = str(model_cfg.path)
+        if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().exists():
+            raise FileNotFoundError(f"model.path '{path}' does not exist")
+        return str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
     if task_cfg.name != "toy":
         raise ValueError("the toy model only knows the toy task; set model.path for other tasks")
     from omgrpo.models.toy import ensure_toy_base
@@ -50,7 +53,5 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    if not Path(path).exists() and "/" not in path:
-        raise FileNotFoundError(f"model.path '{path}' is neither a directory nor a hub id")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
