@@ -94,13 +94,15 @@ def sample(
     max_new_tokens: int,
     temperature: float,
     top_p: float,
-    eos_id: int,
+    eos_id: int | list[int],
     pad_id: int,
     batch_size: int | None = None,
 ) -> Sequences:
     """Sample `n` responses per prompt with a KV cache; rows [i*n, (i+1)*n) belong to prompt i.
 
-    Uses the global torch RNG (so a checkpoint's RNG state reproduces the samples).
+    `eos_id` may list several stop tokens (chat models end turns with e.g. `<|im_end|>` while
+    their tokenizer's eos is `<|endoftext|>`). Uses the global torch RNG, so a checkpoint's
+    RNG state reproduces the samples.
     """
     expanded = [p for p in prompts for _ in range(n)]
     chunk = batch_size or len(expanded)
@@ -115,6 +117,7 @@ def sample(
 
 def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pad_id):
     device = next(model.parameters()).device
+    stops = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=device)
     batch = len(prompts)
     logits, cache, mask, next_pos = shared_prefix_forward(model, prompts, pad_id, use_cache=True)
     tokens, alive = [], torch.ones(batch, dtype=torch.bool, device=device)
@@ -122,7 +125,7 @@ def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pa
         tok = _sample_next(logits[:, -1, :], temperature, top_p)
         tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
         tokens.append(tok)
-        alive = alive & (tok != eos_id)
+        alive = alive & ~torch.isin(tok, stops)
         if not alive.any():
             break
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], -1)
@@ -137,7 +140,8 @@ def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pa
         next_pos = next_pos + 1
     response = torch.stack(tokens, dim=1)
     # A token is part of the response up to and including the first eos.
-    before_eos = (response == eos_id).long().cumsum(-1) - (response == eos_id).long()
+    is_stop = torch.isin(response, stops.cpu() if response.device.type == "cpu" else stops).long()
+    before_eos = is_stop.cumsum(-1) - is_stop
     response_mask = (before_eos == 0).long()
     response = response.masked_fill(response_mask == 0, pad_id)
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)

@@ -93,6 +93,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     ref = None
     if cfg.algorithm.kl_coef > 0:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
+    stop_ids = stop_token_ids(tokenizer, policy)
     _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
     encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
     coreward = "coreward" in cfg.reward.parts
@@ -162,7 +163,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
-                eos_id=tokenizer.eos_token_id,
+                eos_id=stop_ids,
                 pad_id=tokenizer.pad_token_id,
             )
 
@@ -177,7 +178,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         # 4. old / reference log-probs (and token stats some rewards need)
         need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
         with timer("old_logprob"):
-            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=True)
+            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
         ref_logprobs = None
         if ref is not None:
             with timer("ref_logprob"):
@@ -335,6 +336,19 @@ class PromptEncoder:
         return self.cache[problem.question]
 
 
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Tokens that end a response: the tokenizer's eos, the model's generation-config eos
+    ids, and the chat template's end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    for token in ("<|im_end|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
     """Problems of a step: consecutive slices of per-epoch shuffles (a pure function of the
     step, so resume needs no sampler state)."""
@@ -475,7 +489,7 @@ def validate(policy, tokenizer, encode, problems: list[Problem], cfg, step: int)
             max_new_tokens=cfg.rollout.max_new_tokens,
             temperature=cfg.eval.temperature,
             top_p=cfg.eval.top_p,
-            eos_id=tokenizer.eos_token_id,
+            eos_id=stop_token_ids(tokenizer, policy),
             pad_id=tokenizer.pad_token_id,
             batch_size=cfg.eval.batch_size,
         )

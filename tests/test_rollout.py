@@ -124,3 +124,15 @@ def test_shared_prefix_forward_equals_the_plain_forward_with_gradients():
     torch.testing.assert_close(fast[mask], plain[mask], atol=1e-5, rtol=1e-5)
     for a, p in zip(fast_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_any_of_several_stop_tokens_ends_a_response():
+    model, tok = _model()
+    prompts = _prompts(tok)[:1]
+    kwargs = dict(n=1, max_new_tokens=10, temperature=0.0, top_p=1.0, pad_id=tok.pad_token_id)
+    free = sample(model, prompts, eos_id=tok.pad_token_id, **kwargs).response_ids[0].tolist()
+    stop = free[3]
+    cut = free.index(stop)
+    out = sample(model, prompts, eos_id=[tok.eos_token_id, stop], **kwargs)
+    assert int(out.response_mask[0].sum()) == cut + 1  # the stop token itself is kept
+    assert out.response_ids[0, : cut + 1].tolist() == free[: cut + 1]
