@@ -66,21 +66,10 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
             model_cfg.num_kv_heads,
         ],
         "warm_start": dict(model_cfg.warm_start),
-        "world": _world_spec(task_cfg).__dict__,
+        "world": ToyWorldSpec.from_config(task_cfg).__dict__,
         "task_seed": task_cfg.seed,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _world_spec(task_cfg: Any) -> ToyWorldSpec:
-    return ToyWorldSpec(
-        min_steps=task_cfg.min_steps,
-        max_steps=task_cfg.max_steps,
-        max_start=task_cfg.max_start,
-        max_operand=task_cfg.max_operand,
-        max_factor=task_cfg.max_factor,
-        max_value=task_cfg.max_value,
-    )
 
 
 def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) -> Path:
@@ -93,7 +82,7 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     ws = model_cfg.warm_start
     model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     problems = generate_sft_problems(
-        SFT_PROBLEMS, ws.seed, _world_spec(task_cfg), exclude_questions
+        SFT_PROBLEMS, ws.seed, ToyWorldSpec.from_config(task_cfg), exclude_questions
     )
     start = time.perf_counter()
     losses = sft(

@@ -11,14 +11,7 @@ from omgrpo.tasks.toy import ToyWorldSpec, generate_toy_splits
 
 
 def _toy(cfg: Any) -> TaskSplits:
-    spec = ToyWorldSpec(
-        min_steps=cfg.min_steps,
-        max_steps=cfg.max_steps,
-        max_start=cfg.max_start,
-        max_operand=cfg.max_operand,
-        max_factor=cfg.max_factor,
-        max_value=cfg.max_value,
-    )
+    spec = ToyWorldSpec.from_config(cfg)
     return generate_toy_splits(cfg.n_train, cfg.n_val, cfg.n_test, seed=cfg.seed, spec=spec)
 
 

@@ -35,6 +35,11 @@ class ToyWorldSpec:
     max_factor: int = 5
     max_value: int = 99
 
+    @classmethod
+    def from_config(cls, task_cfg) -> ToyWorldSpec:
+        """The generator fields of a `TaskConfig`."""
+        return cls(**{f: getattr(task_cfg, f) for f in cls.__dataclass_fields__})
+
 
 def _sample_chain(rng: random.Random, spec: ToyWorldSpec) -> tuple[int, list[tuple[str, int]]]:
     start = rng.randint(1, spec.max_start)
