@@ -19,6 +19,7 @@ import math
 import random
 import resource
 import time
+import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -224,7 +225,9 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 cfg.algorithm,
                 cfg.optim.grad_clip,
             )
-            scheduler.step()
+            with warnings.catch_warnings():  # a skipped step has no optimizer.step()
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+                scheduler.step()  # the schedule counts training steps, skipped ones included
         if update.pop("skipped"):
             loop["skipped"] += 1
             loop["consecutive_skips"] += 1
