@@ -80,6 +80,7 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
         return out
     tokenizer = build_char_tokenizer()
     ws = model_cfg.warm_start
+    print(f"warm start: training the toy base ({ws.steps} SFT steps) into {out}", flush=True)
     model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     problems = generate_sft_problems(
         SFT_PROBLEMS, ws.seed, ToyWorldSpec.from_config(task_cfg), exclude_questions
@@ -99,6 +100,7 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
         "final_loss": losses[-1] if losses else None,
     }
     (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2))
+    print(f"warm start: done in {meta['seconds']} s (final loss {meta['final_loss']})", flush=True)
     try:
         tmp.rename(out)
     except OSError:  # another process finished first: use theirs
