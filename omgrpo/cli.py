@@ -18,6 +18,9 @@ commands:
                            omgrpo train experiment=paper model.path=/models/Qwen3-1.7B-Base \\
                              task.train_path=math_train.jsonl task.val_path=math500.jsonl
                            omgrpo train --cfg job      (print the composed config)
+  sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
+                         replay a run's local store (config, metrics, rollouts) into a tracker,
+                         e.g. after its backend failed during training
 """
 
 
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train(rest)
+    if command == "sync":
+        return _sync(rest)
     print(f"omgrpo: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 
@@ -49,6 +54,35 @@ def _train(overrides: list[str]) -> int:
 
     sys.argv = ["omgrpo-train", *overrides]
     app()
+    return 0
+
+
+def _sync(args: list[str]) -> int:
+    import argparse
+
+    from omgrpo.store import RunStore
+    from omgrpo.sync import BACKENDS, sync_run
+
+    parser = argparse.ArgumentParser(prog="omgrpo sync", description="Replay a run into a tracker.")
+    parser.add_argument("run_dir", help="a run directory (runs/<name>)")
+    parser.add_argument("--to", required=True, choices=BACKENDS)
+    parser.add_argument(
+        "--mlflow-uri",
+        help="MLflow tracking URI (default: the run's, else sqlite:///<runs root>/mlflow.db)",
+    )
+    parser.add_argument("--wandb-project", help="W&B project (default: the run's)")
+    parser.add_argument("--wandb-mode", choices=["online", "offline"], help="W&B mode")
+    ns = parser.parse_args(args)
+    tracking = dict(RunStore(ns.run_dir).read_config().get("tracking") or {})
+    for key, value in (
+        ("mlflow_uri", ns.mlflow_uri),
+        ("wandb_project", ns.wandb_project),
+        ("wandb_mode", ns.wandb_mode),
+    ):
+        if value is not None:
+            tracking[key] = value
+    run_id = sync_run(ns.run_dir, ns.to, tracking)
+    print(f"synced {ns.run_dir} to {ns.to}: run id {run_id}")
     return 0
 
 

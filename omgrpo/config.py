@@ -13,6 +13,8 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from omgrpo.tracking import TrackingConfig
+
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
 
@@ -221,6 +223,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     seed: int = 0
     """Seed of sampling and data order (the toy base has its own seed: model.warm_start.seed)."""
     method: str = "om_grpo"

@@ -48,6 +48,7 @@ from omgrpo.rollout import Sequences, response_logits, sample, score
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
 from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
 
@@ -132,166 +133,182 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         store.write_config(config)
     store.write_status(state="running", step=start, total_steps=total_steps, base_model=base)
 
-    val_problems = splits.val[: cfg.eval.num_prompts]
-    if start == 0 and cfg.eval.every > 0 and val_problems:
-        store.log_metrics(0, validate(policy, tokenizer, encode, val_problems, cfg, step=0))
-
-    bar = tqdm(
-        range(start + 1, total_steps + 1),
-        initial=start,
-        total=total_steps,
-        desc=cfg.run.name,
-        disable=not cfg.trainer.progress,
-        dynamic_ncols=True,
+    tracker = build_trackers(cfg.tracking, Path(cfg.run.root))
+    tracker.start(
+        store.dir,
+        config,
+        name=cfg.run.name,
+        group=cfg.run.experiment,
+        tags=list(cfg.run.tags),
+        resume=checkpoint is not None,
     )
-    last_val: dict[str, float] = {}
-    for step in bar:
-        timer = StageTimer(device)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
-        if coreward:  # CoReward samples the paraphrases too; group g's partner is g ± P
-            problems = problems + [_paraphrased(p) for p in problems]
-        G = cfg.rollout.n
+    with tracker:  # ends the trackers' runs as finished / failed / killed
+        val_problems = splits.val[: cfg.eval.num_prompts]
+        if start == 0 and cfg.eval.every > 0 and val_problems:
+            metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, step=0)
+            store.log_metrics(0, metrics0)
+            tracker.log_metrics(0, metrics0)
 
-        # 2. sample G rollouts per prompt
-        with timer("gen"):
-            policy.eval()
-            seqs = sample(
-                policy,
-                [encode(p) for p in problems],
-                n=G,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                temperature=cfg.rollout.temperature,
-                top_p=cfg.rollout.top_p,
-                eos_id=stop_ids,
-                pad_id=tokenizer.pad_token_id,
-            )
-
-        # 3. answers and answer-token masks
-        texts, answers, answer_mask = extract(tokenizer, seqs)
-        labels = [p.answer for p in problems for _ in range(G)]
-        correct = [
-            None if lab is None else (a is not None and equivalent(a, lab))
-            for a, lab in zip(answers, labels)
-        ]
-
-        # 4. old / reference log-probs (and token stats some rewards need)
-        need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
-        with timer("old_logprob"):
-            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
-        ref_logprobs = None
-        if ref is not None:
-            with timer("ref_logprob"):
-                ref_logprobs = score(ref, seqs, cfg.algorithm.micro_batch_size)["logprobs"]
-
-        # 5. rewards, one group per prompt
-        with timer("reward"):
-            groups = make_groups(
-                problems,
-                answers,
-                old if need_stats else None,
-                answer_mask,
-                seqs.response_mask,
-                G,
-                coreward,
-                len(tokenizer),
-            )
-            rewards, parts = compute_rewards(groups, cfg.reward.parts, dict(cfg.reward.weights))
-
-        # 6. advantages (format-only: answer tokens get the format reward's advantage)
-        with timer("adv"):
-            group_ids = torch.arange(len(problems)).repeat_interleave(G)
-            advantages = group_advantages(
-                torch.tensor(rewards, dtype=torch.float32), group_ids, cfg.algorithm.adv_eps
-            )
-            format_adv = None
-            if cfg.algorithm.format_only:
-                fmt = torch.tensor([float(a is not None) for a in answers])
-                format_adv = group_advantages(fmt, group_ids, cfg.algorithm.adv_eps)
-
-        # 7. policy update
-        with timer("update"):
-            policy.train()
-            update = ppo_update(
-                policy,
-                optimizer,
-                seqs,
-                old["logprobs"],
-                ref_logprobs,
-                advantages,
-                answer_mask,
-                format_adv,
-                cfg.algorithm,
-                cfg.optim.grad_clip,
-            )
-            with warnings.catch_warnings():  # a skipped step has no optimizer.step()
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-                scheduler.step()  # the schedule counts training steps, skipped ones included
-        if update.pop("skipped"):
-            loop["skipped"] += 1
-            loop["consecutive_skips"] += 1
-            if loop["consecutive_skips"] >= cfg.trainer.max_consecutive_skips:
-                store.write_status(state="failed", step=step, reason="non-finite loss")
-                raise FloatingPointError(
-                    f"step {step}: the loss was NaN/inf for {loop['consecutive_skips']} steps in "
-                    "a row; lower optim.lr, check the model's dtype, or inspect the rollouts in "
-                    f"{store.rollouts_dir}"
-                )
-        else:
-            loop["consecutive_skips"] = 0
-
-        # 8. metrics, validation, rollouts, checkpoint
-        metrics = {
-            "train/epoch": (step - 1) // steps_per_epoch,
-            "train/skipped_steps": loop["skipped"],
-            "reward/total": float(rewards.mean()),
-            **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-            **answer_diagnostics(groups, _chunks(correct, G)),
-            **update,
-            "lr": scheduler.get_last_lr()[0],
-            "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
-        }
-        timer.seconds["step"] = sum(timer.seconds.values())
-        metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
-        metrics["mem/peak_gb"] = _peak_memory_gb(device)
-        metrics["perf/tokens_per_s"] = float(seqs.response_mask.sum()) / timer.seconds["gen"]
-        if (
-            cfg.eval.every > 0
-            and val_problems
-            and (step % cfg.eval.every == 0 or step == total_steps)
-        ):
-            last_val = validate(policy, tokenizer, encode, val_problems, cfg, step=step)
-            metrics.update(last_val)
-        store.log_metrics(step, metrics)
-        if step == 1 or step % max(cfg.trainer.log_rollouts_every, 1) == 0:
-            store.log_rollouts(
-                step,
-                rollout_table(
-                    step, problems, G, texts, answers, correct, rewards, parts, advantages
-                ),
-            )
-        if step == total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-            save_checkpoint(
-                store.checkpoint_dir(step),
-                step=step,
-                model=policy,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                loop_state=loop,
-                config=config,
-            )
-            store.prune_checkpoints(cfg.trainer.keep_checkpoints)
-        store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
-        bar.set_postfix(
-            reward=f"{metrics['reward/total']:.2f}",
-            val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
-            uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
+        bar = tqdm(
+            range(start + 1, total_steps + 1),
+            initial=start,
+            total=total_steps,
+            desc=cfg.run.name,
+            disable=not cfg.trainer.progress,
+            dynamic_ncols=True,
         )
-        if stop_after is not None and step >= stop_after:
-            return store.dir
-    bar.close()
-    store.write_status(state="finished", step=total_steps, total_steps=total_steps, base_model=base)
+        last_val: dict[str, float] = {}
+        for step in bar:
+            timer = StageTimer(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
+            if coreward:  # CoReward samples the paraphrases too; group g's partner is g ± P
+                problems = problems + [_paraphrased(p) for p in problems]
+            G = cfg.rollout.n
+
+            # 2. sample G rollouts per prompt
+            with timer("gen"):
+                policy.eval()
+                seqs = sample(
+                    policy,
+                    [encode(p) for p in problems],
+                    n=G,
+                    max_new_tokens=cfg.rollout.max_new_tokens,
+                    temperature=cfg.rollout.temperature,
+                    top_p=cfg.rollout.top_p,
+                    eos_id=stop_ids,
+                    pad_id=tokenizer.pad_token_id,
+                )
+
+            # 3. answers and answer-token masks
+            texts, answers, answer_mask = extract(tokenizer, seqs)
+            labels = [p.answer for p in problems for _ in range(G)]
+            correct = [
+                None if lab is None else (a is not None and equivalent(a, lab))
+                for a, lab in zip(answers, labels)
+            ]
+
+            # 4. old / reference log-probs (and token stats some rewards need)
+            need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
+            with timer("old_logprob"):
+                old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
+            ref_logprobs = None
+            if ref is not None:
+                with timer("ref_logprob"):
+                    ref_logprobs = score(ref, seqs, cfg.algorithm.micro_batch_size)["logprobs"]
+
+            # 5. rewards, one group per prompt
+            with timer("reward"):
+                groups = make_groups(
+                    problems,
+                    answers,
+                    old if need_stats else None,
+                    answer_mask,
+                    seqs.response_mask,
+                    G,
+                    coreward,
+                    len(tokenizer),
+                )
+                rewards, parts = compute_rewards(groups, cfg.reward.parts, dict(cfg.reward.weights))
+
+            # 6. advantages (format-only: answer tokens get the format reward's advantage)
+            with timer("adv"):
+                group_ids = torch.arange(len(problems)).repeat_interleave(G)
+                advantages = group_advantages(
+                    torch.tensor(rewards, dtype=torch.float32), group_ids, cfg.algorithm.adv_eps
+                )
+                format_adv = None
+                if cfg.algorithm.format_only:
+                    fmt = torch.tensor([float(a is not None) for a in answers])
+                    format_adv = group_advantages(fmt, group_ids, cfg.algorithm.adv_eps)
+
+            # 7. policy update
+            with timer("update"):
+                policy.train()
+                update = ppo_update(
+                    policy,
+                    optimizer,
+                    seqs,
+                    old["logprobs"],
+                    ref_logprobs,
+                    advantages,
+                    answer_mask,
+                    format_adv,
+                    cfg.algorithm,
+                    cfg.optim.grad_clip,
+                )
+                with warnings.catch_warnings():  # a skipped step has no optimizer.step()
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+                    scheduler.step()  # the schedule counts training steps, skipped ones included
+            if update.pop("skipped"):
+                loop["skipped"] += 1
+                loop["consecutive_skips"] += 1
+                if loop["consecutive_skips"] >= cfg.trainer.max_consecutive_skips:
+                    store.write_status(state="failed", step=step, reason="non-finite loss")
+                    raise FloatingPointError(
+                        f"step {step}: the loss was NaN/inf for {loop['consecutive_skips']} steps in "
+                        "a row; lower optim.lr, check the model's dtype, or inspect the rollouts in "
+                        f"{store.rollouts_dir}"
+                    )
+            else:
+                loop["consecutive_skips"] = 0
+
+            # 8. metrics, validation, rollouts, checkpoint
+            metrics = {
+                "train/epoch": (step - 1) // steps_per_epoch,
+                "train/skipped_steps": loop["skipped"],
+                "reward/total": float(rewards.mean()),
+                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                **answer_diagnostics(groups, _chunks(correct, G)),
+                **update,
+                "lr": scheduler.get_last_lr()[0],
+                "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
+            }
+            timer.seconds["step"] = sum(timer.seconds.values())
+            metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+            metrics["mem/peak_gb"] = _peak_memory_gb(device)
+            metrics["perf/tokens_per_s"] = float(seqs.response_mask.sum()) / timer.seconds["gen"]
+            if (
+                cfg.eval.every > 0
+                and val_problems
+                and (step % cfg.eval.every == 0 or step == total_steps)
+            ):
+                last_val = validate(policy, tokenizer, encode, val_problems, cfg, step=step)
+                metrics.update(last_val)
+            store.log_metrics(step, metrics)
+            tracker.log_metrics(step, metrics)
+            if step == 1 or step % max(cfg.trainer.log_rollouts_every, 1) == 0:
+                table = rollout_table(
+                    step, problems, G, texts, answers, correct, rewards, parts, advantages
+                )
+                store.log_rollouts(step, table)
+                tracker.log_rollouts(step, table)
+            if step == total_steps or (
+                cfg.trainer.save_every and step % cfg.trainer.save_every == 0
+            ):
+                save_checkpoint(
+                    store.checkpoint_dir(step),
+                    step=step,
+                    model=policy,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    loop_state=loop,
+                    config=config,
+                )
+                store.prune_checkpoints(cfg.trainer.keep_checkpoints)
+            store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
+            bar.set_postfix(
+                reward=f"{metrics['reward/total']:.2f}",
+                val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
+                uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
+            )
+            if stop_after is not None and step >= stop_after:
+                return store.dir  # simulated kill (tests): no "finished" status
+        bar.close()
+        store.write_status(
+            state="finished", step=total_steps, total_steps=total_steps, base_model=base
+        )
     return store.dir
 
 

@@ -30,6 +30,9 @@ TINY = [
     "trainer.prompts_per_step=2",
     "trainer.progress=false",
     "optim.lr=1e-3",
+    # trackers have their own tests; a fresh MLflow DB per run dir costs ~8 s
+    "tracking.mlflow=false",
+    "tracking.wandb=false",
 ]
 
 
