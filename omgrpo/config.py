@@ -213,6 +213,20 @@ class TrainerConfig:
 
 
 @dataclass
+class CollapseConfig:
+    max_unique_per_prompt: float = 1.5
+    """Collapse needs mean distinct answers per prompt at or below this..."""
+    min_mode_share: float = 0.5
+    """...and the batch's most common answer in at least this share of all rollouts..."""
+    patience: int = 3
+    """...for this many consecutive steps."""
+    stop: bool = False
+    """End the run cleanly when collapse is detected (status `collapsed`)."""
+    confident_share: float = 0.75
+    """`answers/confidently_wrong` counts wrong majorities holding at least this vote share."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -224,6 +238,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
     seed: int = 0
     """Seed of sampling and data order (the toy base has its own seed: model.warm_start.seed)."""
     method: str = "om_grpo"

@@ -61,3 +61,92 @@ def answer_diagnostics(
 
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def confidently_wrong(groups: Sequence[RewardGroup], correct, min_share: float) -> float:
+    """Share of labelled groups whose majority answer is wrong while holding at least
+    `min_share` of the group's votes (the model is sure, and sure of the wrong thing)."""
+    hits, labelled = 0, 0
+    for g, ok in zip(groups, correct):
+        if g.label is None:
+            continue
+        labelled += 1
+        top = majority_class(g.classes)
+        if top is None:
+            continue
+        share = sum(c == top for c in g.classes) / g.size
+        hits += share >= min_share and not ok[g.classes.index(top)]
+    return hits / labelled if labelled else float("nan")
+
+
+def majority_answers(groups: Sequence[RewardGroup]) -> list[str | None]:
+    """Each group's pseudo-label: its majority answer, normalised (None: no votes)."""
+    out = []
+    for g in groups:
+        top = majority_class(g.classes)
+        out.append(None if top is None else normalize(g.answers[g.classes.index(top)]))
+    return out
+
+
+def label_flip_rate(
+    prompt_ids: Sequence[str], pseudo_labels: Sequence[str | None], last_seen: dict[str, str]
+) -> float:
+    """Share of revisited prompts whose majority answer differs from their previous visit.
+    Updates `last_seen` in place (it is part of the trainer's checkpointed state)."""
+    flips, revisits = 0, 0
+    for pid, label in zip(prompt_ids, pseudo_labels):
+        if label is None:
+            continue
+        if pid in last_seen:
+            revisits += 1
+            flips += last_seen[pid] != label
+        last_seen[pid] = label
+    return flips / revisits if revisits else float("nan")
+
+
+def recovery_metrics(correct: Sequence[Sequence[bool]], state: dict) -> dict[str, float]:
+    """Failure recovery on the validation prompts (paper: prompts with initial pass@8 = 0).
+
+    The first call fixes the prompts no sample solved; later calls report how many of them have
+    been solved at least once so far (`recovery/cum_pass`) and their avg@k now
+    (`recovery/cum_avg`). `state` is checkpointed by the trainer.
+    """
+    if "zero" not in state:
+        state["zero"] = [i for i, ok in enumerate(correct) if not any(ok)]
+        state["solved"] = []
+    zero = state["zero"]
+    solved = set(state["solved"]) | {i for i in zero if any(correct[i])}
+    state["solved"] = sorted(solved)
+    return {
+        "recovery/zero_pass_prompts": float(len(zero)),
+        "recovery/cum_pass": len(solved) / len(zero) if zero else float("nan"),
+        "recovery/cum_avg": _mean([sum(correct[i]) / len(correct[i]) for i in zero])
+        if zero
+        else float("nan"),
+    }
+
+
+class CollapseDetector:
+    """Flags collapse when, for `patience` consecutive steps, answers per prompt fall to at
+    most `max_unique_per_prompt` AND the batch's most common answer holds at least
+    `min_mode_share` of all rollouts: the model repeats one answer whatever the question."""
+
+    def __init__(self, max_unique_per_prompt: float, min_mode_share: float, patience: int):
+        self.max_unique, self.min_share, self.patience = (
+            max_unique_per_prompt,
+            min_mode_share,
+            patience,
+        )
+        self.state = {"streak": 0, "detected_step": None}
+
+    def update(self, step: int, metrics: dict[str, float]) -> bool:
+        """Feed one step's metrics; True exactly once, at the step collapse is detected."""
+        collapsed = (
+            metrics["answers/unique_per_prompt"] <= self.max_unique
+            and metrics["answers/batch_mode_share"] >= self.min_share
+        )
+        self.state["streak"] = self.state["streak"] + 1 if collapsed else 0
+        if self.state["detected_step"] is None and self.state["streak"] >= self.patience:
+            self.state["detected_step"] = step
+            return True
+        return False

@@ -34,7 +34,14 @@ from tqdm.auto import tqdm
 from omgrpo.answers import equivalent, extract_boxed, set_math_verify
 from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
-from omgrpo.diagnostics import answer_diagnostics
+from omgrpo.diagnostics import (
+    CollapseDetector,
+    answer_diagnostics,
+    confidently_wrong,
+    label_flip_rate,
+    majority_answers,
+    recovery_metrics,
+)
 from omgrpo.losses import AGG_MODES, group_advantages, grpo_loss, token_logprobs_and_entropy
 from omgrpo.models.loading import (
     base_model_dir,
@@ -116,7 +123,14 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     )
 
     # -- resume or start ---------------------------------------------------------------
-    loop = {"skipped": 0, "consecutive_skips": 0}
+    # Everything the loop carries from step to step (checkpointed, so resume is exact).
+    loop = {
+        "skipped": 0,
+        "consecutive_skips": 0,
+        "last_majority": {},
+        "recovery": {},
+        "collapse": None,
+    }
     start = 0
     checkpoint = store.latest_checkpoint() if cfg.run.resume else None
     if checkpoint is not None:
@@ -132,6 +146,11 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         store.truncate_metrics(0)
         store.write_config(config)
     store.write_status(state="running", step=start, total_steps=total_steps, base_model=base)
+    c = cfg.collapse
+    detector = CollapseDetector(c.max_unique_per_prompt, c.min_mode_share, c.patience)
+    if loop["collapse"] is not None:
+        detector.state = loop["collapse"]
+    loop["collapse"] = detector.state  # the same dict: checkpoints see its updates
 
     tracker = build_trackers(cfg.tracking, Path(cfg.run.root))
     tracker.start(
@@ -145,7 +164,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     with tracker:  # ends the trackers' runs as finished / failed / killed
         val_problems = splits.val[: cfg.eval.num_prompts]
         if start == 0 and cfg.eval.every > 0 and val_problems:
-            metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, step=0)
+            metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
             store.log_metrics(0, metrics0)
             tracker.log_metrics(0, metrics0)
 
@@ -261,6 +280,12 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 "reward/total": float(rewards.mean()),
                 **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                 **answer_diagnostics(groups, _chunks(correct, G)),
+                "answers/confidently_wrong": confidently_wrong(
+                    groups, _chunks(correct, G), cfg.collapse.confident_share
+                ),
+                "answers/label_flip_rate": label_flip_rate(
+                    [p.id for p in problems], majority_answers(groups), loop["last_majority"]
+                ),
                 **update,
                 "lr": scheduler.get_last_lr()[0],
                 "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
@@ -274,8 +299,19 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 and val_problems
                 and (step % cfg.eval.every == 0 or step == total_steps)
             ):
-                last_val = validate(policy, tokenizer, encode, val_problems, cfg, step=step)
+                last_val = validate(
+                    policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"]
+                )
                 metrics.update(last_val)
+            collapsed_now = detector.update(step, metrics)
+            if collapsed_now:
+                metrics["collapse/detected_step"] = step
+                tqdm.write(
+                    f"collapse detected at step {step}: "
+                    f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
+                    f"'{metrics['answers/batch_mode']}' in "
+                    f"{metrics['answers/batch_mode_share']:.0%} of the batch"
+                )
             store.log_metrics(step, metrics)
             tracker.log_metrics(step, metrics)
             if step == 1 or step % max(cfg.trainer.log_rollouts_every, 1) == 0:
@@ -303,6 +339,16 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
                 uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
             )
+            if collapsed_now and cfg.collapse.stop:
+                bar.close()
+                store.write_status(
+                    state="collapsed",
+                    step=step,
+                    total_steps=total_steps,
+                    base_model=base,
+                    collapse_step=step,
+                )
+                return store.dir
             if stop_after is not None and step >= stop_after:
                 return store.dir  # simulated kill (tests): no "finished" status
         bar.close()
@@ -495,7 +541,9 @@ def ppo_update(
 
 
 @torch.no_grad()
-def validate(policy, tokenizer, encode, problems: list[Problem], cfg, step: int) -> dict:
+def validate(
+    policy, tokenizer, encode, problems: list[Problem], cfg, step: int, recovery: dict
+) -> dict:
     """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
     own RNG stream so validating (or not) never changes the training trajectory."""
     k = cfg.eval.k
@@ -526,6 +574,7 @@ def validate(policy, tokenizer, encode, problems: list[Problem], cfg, step: int)
             np.mean([len({c for c in g.classes if c is not None}) for g in groups])
         ),
         "val/extract_rate": float(np.mean([a is not None for a in answers])),
+        **recovery_metrics(correct, recovery),
     }
 
 

@@ -149,3 +149,29 @@ def test_cli_train_end_to_end(tiny_overrides, tmp_path):
     assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
     state = torch.load(run_dir / "checkpoints/step_000002/state.pt", weights_only=False)
     assert state["config"]["algorithm"]["answer_weight"] == 0.0
+
+
+def test_collapse_detector_ends_the_run_cleanly(tiny_overrides):
+    # thresholds any batch meets: detection at step 2 (patience 2), then a clean stop
+    run = train(
+        compose(
+            [
+                *tiny_overrides,
+                "trainer.steps=5",
+                "run.name=col",
+                "collapse.max_unique_per_prompt=100",
+                "collapse.min_mode_share=0",
+                "collapse.patience=2",
+                "collapse.stop=true",
+            ]
+        )
+    )
+    df = RunStore(run).read_metrics()
+    assert list(df["train/step"]) == [0, 1, 2]
+    assert df["collapse/detected_step"].dropna().tolist() == [2]
+    assert RunStore(run).read_status()["state"] == "collapsed"
+    assert {
+        "answers/confidently_wrong",
+        "answers/label_flip_rate",
+        "recovery/zero_pass_prompts",
+    } <= set(df.columns)
