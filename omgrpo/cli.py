@@ -21,6 +21,10 @@ commands:
   sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
                          replay a run's local store (config, metrics, rollouts) into a tracker,
                          e.g. after its backend failed during training
+  figures RUNS... --out DIR
+                         the paper's figures (PNG + PDF) from run directories
+  report RUNS... --out reports/<name>/
+                         report.md with tables, figures, configs and a verdict per run
 """
 
 
@@ -34,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         return _train(rest)
     if command == "sync":
         return _sync(rest)
+    if command in {"figures", "report"}:
+        from omgrpo.analysis import cli as analysis_cli
+
+        return getattr(analysis_cli, f"{command}_main")(rest)
     print(f"omgrpo: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 
