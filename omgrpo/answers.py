@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -386,6 +387,52 @@ def _mv_worker(gold: str, pred: str) -> bool:
     return bool(verify(g, p, timeout_seconds=None) or verify(p, g, timeout_seconds=None))
 
 
+def _mv_kind_worker(text: str) -> tuple[str, float | None]:
+    """Runs in the pool worker: what math-verify makes of one answer. ("none", None) when it
+    extracts nothing; ("num", value) for a real number (`3+4`, `\\sqrt{2}/2`); ("sym", None) for
+    an expression with free symbols (never equal to a number); ("other", None) otherwise (sets,
+    intervals, equations, ...: decided pairwise)."""
+    import sympy
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    parsed = parse(
+        f"${text}$",
+        extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+        parsing_timeout=None,
+    )
+    if not parsed:
+        return ("none", None)
+    value = parsed[0]
+    if isinstance(value, sympy.Expr):
+        if value.free_symbols:
+            return ("sym", None)
+        if value.is_number:
+            number = complex(value.evalf())
+            if number.imag == 0 and math.isfinite(number.real):
+                return ("num", number.real)
+    return ("other", None)
+
+
+@functools.lru_cache(maxsize=100_000)
+def _math_verify_kind(text: str, timeout: int) -> tuple[str, float | None]:
+    """One worker call per distinct answer (cached), so clustering a group costs O(answers)
+    math-verify calls for numbers and unparseable text instead of O(answers x classes)."""
+    try:
+        return _get_pool().schedule(_mv_kind_worker, args=(text,), timeout=timeout).result()
+    except Exception:  # timeout or worker crash: let the pairwise check decide
+        logger.debug("math-verify parse failed on %r", text, exc_info=True)
+        return ("expr", None)
+
+
+def _kind(text: str, rational: Fraction | None, timeout: int) -> tuple[str, float | None]:
+    """Plain numbers and simple fractions are numbers without asking the worker."""
+    if _PLAIN_NUMBER.fullmatch(text):
+        return ("num", float(Decimal(text)))
+    if rational is not None:
+        return ("num", float(rational))
+    return _math_verify_kind(text, timeout)
+
+
 def _shutdown_pool() -> None:
     global _POOL
     pool, _POOL = _POOL, None
@@ -489,9 +536,17 @@ def equivalent(a: str, b: str, timeout: int = 5) -> bool:
             return True
         if not _MATH_VERIFY_ENABLED or not x or not y:
             return False
+        timeout = _coerce_timeout(timeout)
+        (kx, vx), (ky, vy) = _kind(x, rx, timeout), _kind(y, ry, timeout)
+        if kx == "none" or ky == "none":
+            return False  # math-verify reads nothing in one of them: verify() would say False
+        if kx == ky == "num":
+            return math.isclose(vx, vy, rel_tol=1e-9, abs_tol=1e-12)
+        if {kx, ky} == {"num", "sym"}:
+            return False
         if x > y:
             x, y = y, x
-        return _math_verify_equal(x, y, _coerce_timeout(timeout))
+        return _math_verify_equal(x, y, timeout)
     except Exception:
         logger.debug("equivalent failed", exc_info=True)
         return False

@@ -13,6 +13,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from omgrpo.car import CarConfig
 from omgrpo.tracking import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -239,6 +240,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    car: CarConfig = field(default_factory=CarConfig)
     seed: int = 0
     """Seed of sampling and data order (the toy base has its own seed: model.warm_start.seed)."""
     method: str = "om_grpo"

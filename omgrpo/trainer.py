@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from omgrpo.answers import equivalent, extract_boxed, set_math_verify
+from omgrpo.car import generate_pair_answers, top_vote_metrics
 from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
 from omgrpo.diagnostics import (
@@ -208,6 +209,20 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 for a, lab in zip(answers, labels)
             ]
 
+            # 3b. CAR: the current policy compares pairs of its own solutions; the short pair
+            # answers only enlarge the soft-vote pool, they are never trained on
+            car = None
+            if cfg.car.enable:
+                with timer("car"):
+                    policy.eval()
+                    car = generate_pair_answers(
+                        policy,
+                        tokenizer,
+                        [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)],
+                        cfg.car,
+                        rng=random.Random(f"{cfg.seed}-car-{step}"),
+                    )
+
             # 4. old / reference log-probs (and token stats some rewards need)
             need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
             with timer("old_logprob"):
@@ -228,6 +243,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                     G,
                     coreward,
                     len(tokenizer),
+                    pools=car.answers if car else None,
                 )
                 rewards, parts = compute_rewards(groups, cfg.reward.parts, dict(cfg.reward.weights))
 
@@ -286,6 +302,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 "answers/label_flip_rate": label_flip_rate(
                     [p.id for p in problems], majority_answers(groups), loop["last_majority"]
                 ),
+                **(car_metrics(car, answers, correct, problems, G) if car else {}),
                 **update,
                 "lr": scheduler.get_last_lr()[0],
                 "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
@@ -442,8 +459,20 @@ def extract(tokenizer, seqs: Sequences) -> tuple[list[str], list[str | None], to
     return texts, answers, mask
 
 
-def make_groups(problems, answers, stats, answer_mask, response_mask, G, coreward, vocab):
-    """One RewardGroup per prompt (CoReward pairs prompt g with its paraphrase g ± P)."""
+def car_metrics(car, answers, correct, problems, G) -> dict[str, float]:
+    """CAR's mechanics and top-vote accuracy with / without the pair answers."""
+    per_prompt = _chunks(answers, G)
+    return {
+        **car.diagnostics(per_prompt, _chunks(correct, G)),
+        **top_vote_metrics(per_prompt, car.answers, [p.answer for p in problems]),
+    }
+
+
+def make_groups(
+    problems, answers, stats, answer_mask, response_mask, G, coreward, vocab, pools=None
+):
+    """One RewardGroup per prompt (CoReward pairs prompt g with its paraphrase g ± P; CAR's
+    pair answers, when given, join group g's soft-vote pool)."""
     per_prompt = _chunks(answers, G)
     certainty = entropy = None
     if stats is not None:
@@ -466,6 +495,7 @@ def make_groups(problems, answers, stats, answer_mask, response_mask, G, corewar
                 per_prompt[g],
                 label=problem.answer,
                 partner=partner,
+                pool=pools[g] if pools is not None else None,
                 self_certainty=certainty[sl] if certainty else None,
                 answer_entropy=entropy[sl] if entropy else None,
                 max_entropy=math.log(vocab),

@@ -256,3 +256,14 @@ def test_math_verify_worker_timeout_returns_false(monkeypatch: pytest.MonkeyPatc
 def _sleepy_worker(gold: str, pred: str) -> bool:
     time.sleep(30)
     return True
+
+
+def test_numbers_after_parsing_are_compared_without_pairwise_verify():
+    from omgrpo import answers
+
+    answers._math_verify_equal.cache_clear()
+    assert equivalent("1-19+19", "1")  # sympy evaluates the expression to a number
+    assert not equivalent("3+4", "8")
+    assert not equivalent("9ns", "9")  # free symbols never equal a number
+    assert not equivalent("1oxe2Z9", "12")
+    assert answers._math_verify_equal.cache_info().misses == 0  # one parse per answer only

@@ -175,3 +175,24 @@ def test_collapse_detector_ends_the_run_cleanly(tiny_overrides):
         "answers/label_flip_rate",
         "recovery/zero_pass_prompts",
     } <= set(df.columns)
+
+
+def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):
+    run = train(
+        compose(
+            [
+                *tiny_overrides,
+                "car.enable=true",
+                "car.max_new_tokens=4",
+                "trainer.steps=1",
+                "run.name=car",
+            ]
+        )
+    )
+    row = RunStore(run).read_metrics().iloc[-1]
+    G, prompts = 4, 2
+    assert row["car/num_pairs"] == prompts * G * (G - 1)
+    assert G <= row["car/pool_size"] <= G + G * (G - 1)
+    assert {"time/car", "car/position_bias", "car/top_vote_acc_without_car"} <= set(row.index)
+    rollouts = RunStore(run).read_rollouts()
+    assert len(rollouts) == prompts * G  # pair answers are validators, never trained on
