@@ -21,6 +21,10 @@ commands:
   sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
                          replay a run's local store (config, metrics, rollouts) into a tracker,
                          e.g. after its backend failed during training
+  sweep sweeps/X.yaml [--jobs N] [--dry-run]
+                         run a W&B sweep file's grid locally (resumable; finished runs skipped)
+  bench car [--steps N] [--json] [overrides...]
+                         per-stage seconds of MV, OM-GRPO, OM-GRPO + CAR, and n = 16 / 64
   figures RUNS... --out DIR
                          the paper's figures (PNG + PDF) from run directories
   report RUNS... --out reports/<name>/
@@ -38,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         return _train(rest)
     if command == "sync":
         return _sync(rest)
+    if command == "sweep":
+        from omgrpo.sweep import main as sweep_main
+
+        return sweep_main(rest)
+    if command == "bench":
+        from omgrpo.bench import main as bench_main
+
+        return bench_main(rest)
     if command in {"figures", "report"}:
         from omgrpo.analysis import cli as analysis_cli
 

@@ -1,0 +1,98 @@
+"""Benchmarks with JSON output (`omgrpo bench <name> [--json]`); speed targets live here, not in
+unit tests. Each benchmark runs the real trainer in one process on the toy preset.
+
+`car`: the cost of CAR against its alternatives, per training step:
+  (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
+  at n = 16 and n = 64 rollouts per prompt. Reports mean seconds per stage (the first step is
+  a warm-up and is dropped) and the ratios `car_over_gen` = time/car / time/gen in (c) and
+  `step_car_over_mv` = time/step (c) / (a).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from omgrpo.config import compose
+from omgrpo.store import RunStore
+
+CAR_VARIANTS = {
+    "a_mv": ["method=mv"],
+    "b_om_grpo_no_car": ["method=om_grpo"],
+    "c_om_grpo_car": ["method=om_grpo", "car.enable=true"],
+    "d_om_grpo_n16": ["method=om_grpo", "rollout.n=16"],
+    "d_om_grpo_n64": ["method=om_grpo", "rollout.n=64"],
+}
+
+
+def bench_car(steps: int = 3, overrides: list[str] | None = None) -> dict:
+    from omgrpo.trainer import train
+
+    fixed = [
+        "eval.every=0",
+        "trainer.progress=false",
+        "tracking.mlflow=false",
+        "tracking.wandb=false",
+        "trainer.save_every=0",
+        f"trainer.steps={steps}",
+        *(overrides or []),
+    ]
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        for name, variant in CAR_VARIANTS.items():
+            print(f"bench car: {name} ({steps} steps)", file=sys.stderr, flush=True)
+            run = train(compose([*fixed, *variant, f"run.root={root}", f"run.name={name}"]))
+            df = RunStore(run).read_metrics()
+            df = df[df["train/step"] >= (2 if steps > 1 else 1)]
+            cols = [c for c in df.columns if c.startswith(("time/", "mem/"))]
+            results[name] = {c: float(df[c].mean()) for c in cols}
+            results[name]["rollouts_per_step"] = float(
+                compose([*fixed, *variant]).rollout.n * compose(fixed).trainer.prompts_per_step
+            )
+    c, a = results["c_om_grpo_car"], results["a_mv"]
+    ratios = {
+        "car_over_gen": c["time/car"] / c["time/gen"],
+        "step_car_over_mv": c["time/step"] / a["time/step"],
+        "step_n16_over_car": results["d_om_grpo_n16"]["time/step"] / c["time/step"],
+        "step_n64_over_car": results["d_om_grpo_n64"]["time/step"] / c["time/step"],
+    }
+    targets = {"car_over_gen": 0.5, "step_car_over_mv": 1.3}
+    return {
+        "benchmark": "car",
+        "steps_averaged": max(1, steps - 1),
+        "overrides": overrides or [],
+        "seconds": results,
+        "ratios": ratios,
+        "targets": targets,
+        "meets_targets": {k: ratios[k] <= v for k, v in targets.items()},
+    }
+
+
+BENCHMARKS = {"car": bench_car}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="omgrpo bench", description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant (first dropped)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
+    ns = parser.parse_args(argv)
+    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides)
+    text = json.dumps(result, indent=2)
+    if ns.out:
+        ns.out.write_text(text)
+    if ns.json:
+        print(text)
+    else:
+        print(text)
+        r = result["ratios"]
+        print(
+            f"time/car / time/gen = {r['car_over_gen']:.2f} (target <= 0.5); "
+            f"step(CAR) / step(MV) = {r['step_car_over_mv']:.2f} (target <= 1.3)"
+        )
+    return 0
