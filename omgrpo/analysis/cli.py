@@ -1,0 +1,105 @@
+"""`omgrpo figures RUNS... --out DIR` and `omgrpo report RUNS... --out reports/<name>/`.
+
+Both return an exit status: 0 on success, 2 on bad input (no such path, no run in it, unknown
+figure name, unreadable tracker), with the reason on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from omgrpo.analysis.load import NoRunsError
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+
+
+def _fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def figures_main(argv: list[str]) -> int:
+    from omgrpo.analysis.figures import FIGURES, TITLES, all_figures
+    from omgrpo.analysis.load import find_run_dirs, load_rollouts, load_runs
+
+    prog = "omgrpo figures"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Draw the paper's figures (PNG + PDF) from runs. A figure whose runs are "
+        "missing is skipped with the presets that would produce them.",
+        epilog="figures: " + ", ".join(FIGURES),
+    )
+    parser.add_argument("runs", nargs="*", help="run directories or folders of them (e.g. runs/)")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument(
+        "--only", action="append", choices=list(FIGURES), metavar="NAME",
+        help="draw only this figure (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--mlflow-experiment", help="also load this MLflow experiment")
+    parser.add_argument(
+        "--mlflow-uri", help="MLflow tracking URI (default sqlite:///runs/mlflow.db)"
+    )
+    parser.add_argument("--wandb-project", help="also load this W&B project (online API)")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    if not ns.runs and not ns.mlflow_experiment and not ns.wandb_project:
+        return _fail(prog, "give run directories (or --mlflow-experiment / --wandb-project)")
+    try:
+        df = load_runs(
+            *ns.runs,
+            mlflow_experiment=ns.mlflow_experiment,
+            mlflow_uri=ns.mlflow_uri,
+            wandb_project=ns.wandb_project,
+        )
+        rollouts = load_rollouts(ns.runs) if ns.runs else None
+        n_runs = len(find_run_dirs(*ns.runs)) if ns.runs else df["run"].nunique()
+    except (FileNotFoundError, NoRunsError, RuntimeError, ValueError) as e:
+        return _fail(prog, str(e))
+    out = Path(ns.out)
+    results = all_figures(df, out, rollouts=rollouts, only=ns.only)
+    drawn = 0
+    for name, result in results.items():
+        if isinstance(result, str):
+            print(f"  skipped {name}: {result}")
+        else:
+            drawn += 1
+            print(f"  {TITLES.get(name, name)}: {', '.join(str(p) for p in result)}")
+    print(f"{drawn} of {len(results)} figures from {n_runs} run(s) in {out}/")
+    return 0
+
+
+def report_main(argv: list[str]) -> int:
+    from omgrpo.analysis.report import write_report
+
+    prog = "omgrpo report"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Write report.md (runs with a collapse verdict, tables, figures, configs) "
+        "and figures/ for a set of runs.",
+    )
+    parser.add_argument("runs", nargs="+", help="run directories or folders of them (e.g. runs/)")
+    parser.add_argument(
+        "--out",
+        help="output folder (default: reports/<name of the first RUNS argument>/)",
+    )
+    parser.add_argument("--title", help="report title")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    out = (
+        Path(ns.out) if ns.out else Path("reports") / (Path(ns.runs[0]).resolve().name or "report")
+    )
+    try:
+        path = write_report(ns.runs, out, title=ns.title)
+    except (FileNotFoundError, NoRunsError, ValueError) as e:
+        return _fail(prog, str(e))
+    print(f"report: {path}  (figures in {path.parent / 'figures'}/)")
+    return 0

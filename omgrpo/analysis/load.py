@@ -1,0 +1,538 @@
+"""Runs → one tidy DataFrame (one row per run and step), seed statistics and a collapse verdict.
+
+Sources: local run directories (the run store: `config.yaml` + `metrics.jsonl`, the source of
+truth), an MLflow experiment, or a W&B project (online API only). Every source gives the same
+columns:
+
+    run, run_dir, experiment, variant, method, seed, scale, status, source,   (identity)
+    cfg.<section>.<field> ...                                                 (resolved config)
+    step, <metric> ...                                                        (store names)
+
+Metric columns keep the store's names (`val/acc`, `val/pass@4`, ...): names that MLflow
+sanitised (`val/pass_at_4`) are mapped back. Config values that are lists or dicts become
+their JSON text, so that every column can be grouped on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from omgrpo.diagnostics import CollapseDetector
+from omgrpo.store import RunStore
+from omgrpo.tracking import (
+    RUN_DIR_TAG,
+    flatten,
+    resolve_wandb_mode,
+    run_method,
+    run_scale,
+    sanitize_metric_name,
+)
+
+IDENTITY_COLUMNS = (
+    "run",
+    "run_dir",
+    "experiment",
+    "variant",
+    "method",
+    "seed",
+    "scale",
+    "status",
+    "source",
+)
+"""Columns that identify a run (constant over its rows)."""
+
+CFG_PREFIX = "cfg."
+
+# The metric contract (README "Metrics", DESIGN.md), used to map MLflow names back.
+KNOWN_METRICS: tuple[str, ...] = (
+    "train/step", "train/epoch", "train/skipped_steps",
+    "reward/total", "reward/soft_vote", "reward/format", "reward/majority_vote", "reward/gt",
+    "reward/self_certainty", "reward/entropy", "reward/coreward", "acc/train",
+    "answers/unique_per_prompt", "answers/unique_per_batch", "answers/batch_mode",
+    "answers/batch_mode_share", "answers/vote_entropy", "answers/extract_rate",
+    "answers/top_vote_acc", "answers/confidently_wrong", "answers/label_flip_rate",
+    "kl/answer", "kl/reasoning", "entropy/answer", "entropy/reasoning", "answer/frac",
+    "loss/pg", "loss/kl", "loss/total", "clip/frac", "ratio/mean", "grad/norm", "lr",
+    "response/length_mean",
+    "car/position_bias", "car/select_correct", "car/incorrect_pair_first",
+    "car/anchor_entropy_correct", "car/anchor_entropy_incorrect", "car/pool_size",
+    "car/top_vote_acc_without_car", "car/truncated", "car/unclosed", "car/num_pairs",
+    "val/acc", "val/pass@k", *(f"val/pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)),
+    "val/unique_answers", "val/extract_rate",
+    "recovery/zero_pass_prompts", "recovery/cum_pass", "recovery/cum_avg",
+    "collapse/detected_step",
+    "time/gen", "time/car", "time/reward", "time/old_logprob", "time/ref_logprob", "time/adv",
+    "time/update", "time/step", "mem/peak_gb", "perf/tokens_per_s",
+)  # fmt: skip
+
+_UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
+_PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
+
+DEFAULT_COLLAPSE = {"max_unique_per_prompt": 1.5, "min_mode_share": 0.5, "patience": 3}
+
+
+class NoRunsError(FileNotFoundError):
+    """A source (folder, MLflow experiment, W&B project) holds no run."""
+
+
+# -- discovering run directories ---------------------------------------------------------------
+def is_run_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "config.yaml").is_file() and (path / "metrics.jsonl").is_file()
+
+
+_SKIP_DIRS = {"checkpoints", "rollouts", "wandb", ".hydra", "mlruns", "mlartifacts", "figures"}
+
+
+def find_run_dirs(*sources: str | Path) -> list[Path]:
+    """Run directories in `sources`: each a run directory or a folder searched recursively
+    (run directories are not searched inside). Sorted, without duplicates. Raises
+    `FileNotFoundError` for a missing path and `NoRunsError` for a source without any run."""
+    found: list[Path] = []
+    for source in sources:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        if not path.is_dir():
+            raise NoRunsError(
+                f"{path} is not a directory: pass a run directory (with config.yaml and "
+                "metrics.jsonl) or a folder of run directories"
+            )
+        runs = [path] if is_run_dir(path) else _walk_runs(path)
+        if not runs:
+            raise NoRunsError(
+                f"{path}: no run found (a run directory holds config.yaml and metrics.jsonl; "
+                "create runs with `omgrpo train run.root=...`)"
+            )
+        found += runs
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for run in found:
+        key = run.resolve()
+        if key not in seen:
+            seen.add(key)
+            out.append(run)
+    return sorted(out, key=lambda p: str(p))
+
+
+def _walk_runs(folder: Path) -> list[Path]:
+    runs = []
+    for root, dirs, _files in os.walk(folder):
+        here = Path(root)
+        if is_run_dir(here):
+            runs.append(here)
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
+    return runs
+
+
+# -- loading -----------------------------------------------------------------------------------
+def load_runs(
+    *sources: str | Path,
+    mlflow_experiment: str | None = None,
+    mlflow_uri: str | None = None,
+    wandb_project: str | None = None,
+) -> pd.DataFrame:
+    """One DataFrame with a row per (run, step) from every source given.
+
+    `sources`: run directories or folders holding them (searched recursively).
+    `mlflow_experiment`: an MLflow experiment name (the run group, e.g. `toy`), read from
+    `mlflow_uri` (default: $MLFLOW_TRACKING_URI, else `sqlite:///runs/mlflow.db`).
+    `wandb_project`: `entity/project` or `project`, read through the online W&B API.
+    Columns: see the module docstring; rows sorted by run and step.
+    """
+    if not sources and mlflow_experiment is None and wandb_project is None:
+        raise ValueError("load_runs needs run directories, an MLflow experiment or a W&B project")
+    frames = [_store_frame(run_dir) for run_dir in find_run_dirs(*sources)] if sources else []
+    if mlflow_experiment is not None:
+        frames += _mlflow_frames(mlflow_experiment, mlflow_uri)
+    if wandb_project is not None:
+        frames += _wandb_frames(wandb_project)
+    return _combine(frames)
+
+
+def load_rollouts(run_dirs: str | Path | Iterable[str | Path]) -> pd.DataFrame:
+    """Every stored rollout (`rollouts/step_*.parquet`) of the runs in `run_dirs` (run
+    directories or folders of them), with the identity columns `run`, `experiment`,
+    `variant`, `method`, `seed` in front. Empty (with those columns) if no run logged any."""
+    if isinstance(run_dirs, str | Path):
+        run_dirs = [run_dirs]
+    frames = []
+    for run_dir in find_run_dirs(*run_dirs):
+        table = RunStore(run_dir).read_rollouts()
+        if table.empty:
+            continue
+        ident = _identity(_read_config(run_dir), run_dir)
+        for i, col in enumerate(("run", "experiment", "variant", "method", "seed")):
+            table.insert(i, col, ident[col])
+        frames.append(table)
+    if not frames:
+        return pd.DataFrame(columns=["run", "experiment", "variant", "method", "seed", "step"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def metric_columns(df: pd.DataFrame) -> list[str]:
+    """The metric columns of a `load_runs` frame (everything but identity, config and step)."""
+    return [c for c in df.columns if c not in IDENTITY_COLUMNS and c != "step" and not _is_cfg(c)]
+
+
+def _is_cfg(col: str) -> bool:
+    return col.startswith(CFG_PREFIX)
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    return RunStore(run_dir).read_config() or {}
+
+
+def _identity(config: Mapping[str, Any], run_dir: Path | str | None) -> dict[str, Any]:
+    run = config.get("run") or {}
+    name = run.get("name") or (Path(run_dir).name if run_dir else "unnamed")
+    seed = config.get("seed")
+    return {
+        "run": str(name),
+        "run_dir": str(run_dir) if run_dir is not None else None,
+        "experiment": str(run.get("experiment") or "unknown"),
+        "variant": str(run.get("variant") or run_method(config)),
+        "method": run_method(config),
+        "seed": int(seed) if isinstance(seed, int | float) and not isinstance(seed, bool) else -1,
+        "scale": run_scale(config),
+    }
+
+
+def _cfg_columns(config: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in flatten(config).items():
+        if isinstance(value, list | tuple | dict):
+            value = json.dumps(value, default=str)
+        out[CFG_PREFIX + key] = value
+    return out
+
+
+def _frame(
+    identity: dict[str, Any],
+    config: Mapping[str, Any],
+    metrics: pd.DataFrame,
+    status: str | None,
+    source: str,
+) -> pd.DataFrame:
+    """A run's rows: identity + config columns (constant), `step`, then the metrics."""
+    metrics = metrics.copy()
+    if "train/step" in metrics.columns:
+        metrics = metrics.rename(columns={"train/step": "step"})
+    if "step" not in metrics.columns:
+        metrics["step"] = pd.Series(dtype="int64")
+    metrics = metrics.dropna(subset=["step"])
+    metrics["step"] = metrics["step"].astype("int64")
+    # A resumed run may have logged a step twice: keep the last row.
+    metrics = metrics.drop_duplicates("step", keep="last").sort_values("step")
+    metrics = metrics.reset_index(drop=True)
+    const = {**identity, "status": status, "source": source, **_cfg_columns(config)}
+    head = pd.DataFrame({k: [v] * len(metrics) for k, v in const.items()}, index=metrics.index)
+    return pd.concat([head, metrics], axis=1)
+
+
+def _store_frame(run_dir: Path) -> pd.DataFrame:
+    store = RunStore(run_dir)
+    config = _read_config(run_dir)
+    status = store.read_status().get("state")
+    return _frame(_identity(config, run_dir), config, store.read_metrics(), status, "store")
+
+
+def _combine(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return pd.DataFrame(columns=[*IDENTITY_COLUMNS, "step"])
+    # Two different runs with the same name (other roots, or a store run and its MLflow copy):
+    # keep them apart, so that per-run statistics never mix them.
+    names: dict[str, set[tuple[str, str]]] = {}
+    for f in frames:
+        names.setdefault(f["run"].iloc[0], set()).add(
+            (f["source"].iloc[0], str(f["run_dir"].iloc[0]))
+        )
+    for i, f in enumerate(frames):
+        name, source, run_dir = f["run"].iloc[0], f["source"].iloc[0], f["run_dir"].iloc[0]
+        if len(names[name]) > 1:
+            frames[i] = f.assign(run=f"{name} [{source}: {run_dir}]")
+    df = pd.concat(frames, ignore_index=True, sort=False)
+    cfg = sorted(c for c in df.columns if _is_cfg(c))
+    metrics = [c for c in df.columns if c not in IDENTITY_COLUMNS and c != "step" and c not in cfg]
+    df = df[[*IDENTITY_COLUMNS, *cfg, "step", *metrics]]
+    return df.sort_values(["run", "source", "step"], kind="stable").reset_index(drop=True)
+
+
+def run_roots(df: pd.DataFrame) -> pd.Series:
+    """Per row: "" unless two runs share experiment, variant and seed (the same study run from
+    two run roots, e.g. a rerun), then the run's root folder (or source) to keep them apart
+    instead of averaging them as if they were seeds."""
+    if df.empty:
+        return pd.Series("", index=df.index, dtype=object)
+    runs = df.drop_duplicates("run")[["run", "run_dir", "source", "experiment", "variant", "seed"]]
+    clash = runs.duplicated(["experiment", "variant", "seed"], keep=False)
+    if not clash.any():
+        return pd.Series("", index=df.index, dtype=object)
+    root = {
+        r.run: (Path(str(r.run_dir)).parent.name if r.run_dir else "") or str(r.source)
+        for r in runs.itertuples(index=False)
+    }
+    keyed = runs.assign(root=runs["run"].map(root))
+    groups = keyed.groupby(["experiment", "variant"])["root"].transform("nunique")
+    needs = dict(zip(keyed["run"], (groups > 1).to_numpy()))
+    return df["run"].map(lambda r: root[r] if needs.get(r) else "").astype(object)
+
+
+# -- MLflow ------------------------------------------------------------------------------------
+def unsanitize_metric_name(key: str) -> str:
+    """The store name of an MLflow metric key (inverse of `sanitize_metric_name` on the metric
+    contract; `val/pass_at_4` -> `val/pass@4`); unknown keys are returned unchanged."""
+    if key in _UNSANITIZE:
+        return _UNSANITIZE[key]
+    match = _PASS_AT.match(key)
+    return f"{match['head']}@{match['k']}" if match else key
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str):
+    import mlflow
+
+    before = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield mlflow
+    finally:
+        mlflow.set_tracking_uri(before)
+
+
+def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
+    from omgrpo.tracking import _sqlite_path, default_mlflow_uri, mlflow_client
+
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(Path("runs"))
+    db = _sqlite_path(uri)
+    if db is not None and not db.is_file():
+        raise FileNotFoundError(f"MLflow database {db} not found (from --mlflow-uri {uri})")
+    client = mlflow_client(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        names = sorted(e.name for e in client.search_experiments())
+        raise NoRunsError(f"MLflow experiment {experiment!r} not found in {uri}; it has: {names}")
+    with _tracking_uri(uri) as mlflow:
+        runs = mlflow.search_runs(experiment_ids=[exp.experiment_id], output_format="pandas")
+    if runs.empty:
+        raise NoRunsError(f"MLflow experiment {experiment!r} in {uri} has no run")
+    frames = []
+    for _, row in runs.iterrows():
+        run_id = row["run_id"]
+        params = {
+            c[len("params.") :]: row[c]
+            for c in runs.columns
+            if c.startswith("params.") and isinstance(row[c], str)
+        }
+        config = _unflatten({k: _parse_param(v) for k, v in params.items()})
+        tags = {c[len("tags.") :]: row[c] for c in runs.columns if c.startswith("tags.")}
+        keys = [
+            c[len("metrics.") :]
+            for c in runs.columns
+            if c.startswith("metrics.") and pd.notna(row[c])
+        ]
+        points: dict[int, dict[str, float]] = {}
+        for key in keys:
+            name = unsanitize_metric_name(key)
+            history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+            for m in history:
+                points.setdefault(int(m.step), {})[name] = m.value
+        metrics = pd.DataFrame([{"train/step": s, **v} for s, v in sorted(points.items())])
+        ident = _identity(config, tags.get(RUN_DIR_TAG))
+        if isinstance(tags.get("mlflow.runName"), str) and not (config.get("run") or {}).get(
+            "name"
+        ):
+            ident["run"] = tags["mlflow.runName"]
+        status = str(row.get("status") or "").lower() or None
+        frames.append(_frame(ident, config, metrics, status, "mlflow"))
+    return frames
+
+
+def _parse_param(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError):
+        return text
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):  # a scalar and a section of the same name
+                child = node[part] = {"": child}
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# -- W&B ---------------------------------------------------------------------------------------
+def _wandb_frames(project: str) -> list[pd.DataFrame]:
+    try:
+        import wandb
+    except ImportError as e:
+        raise RuntimeError("loading a W&B project needs the `wandb` package") from e
+    mode = resolve_wandb_mode(None)
+    if mode != "online":
+        raise RuntimeError(
+            f"loading the W&B project {project!r} needs the online W&B API, but W&B is "
+            f"{mode!r} here (no API key, or WANDB_MODE={os.environ.get('WANDB_MODE')!r}). "
+            "Run `wandb login` or set WANDB_API_KEY; offline runs are in the local run store: "
+            "load_runs('runs/') (or upload them with `omgrpo sync RUN --to wandb`)."
+        )
+    try:
+        api = wandb.Api(timeout=60)
+        runs = list(api.runs(project))
+    except Exception as e:
+        raise RuntimeError(f"cannot read the W&B project {project!r}: {e}") from e
+    if not runs:
+        raise NoRunsError(f"W&B project {project!r} has no run")
+    frames = []
+    for run in runs:
+        config = {k: v for k, v in dict(run.config).items() if not str(k).startswith("_")}
+        rows = []
+        for row in run.scan_history():
+            step = row.get("train/step", row.get("_step"))
+            if step is None:
+                continue
+            rows.append(
+                {"train/step": step, **{k: v for k, v in row.items() if not k.startswith("_")}}
+            )
+        ident = _identity(config, None)
+        if not (config.get("run") or {}).get("name"):
+            ident["run"] = run.name
+        frames.append(_frame(ident, config, pd.DataFrame(rows), str(run.state), "wandb"))
+    return frames
+
+
+# -- statistics --------------------------------------------------------------------------------
+# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (used without scipy).
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+
+
+def t_critical(dof: int, confidence: float = 0.95) -> float:
+    """Two-sided Student-t critical value (scipy if installed; else a table for 95%)."""
+    if dof < 1:
+        return math.nan
+    try:
+        from scipy import stats
+
+        return float(stats.t.ppf(0.5 + confidence / 2, dof))
+    except ImportError:
+        if confidence != 0.95:
+            raise ValueError("without scipy only 95% intervals are available") from None
+        if dof <= len(_T975):
+            return _T975[dof - 1]
+        return 1.960 + 2.4 / dof  # within 0.003 of the exact value for df > 30
+
+
+def aggregate_seeds(
+    df: pd.DataFrame, metric: str, by: Sequence[str] = ("experiment", "variant", "step")
+) -> pd.DataFrame:
+    """Mean, std (ddof 1), n and 95% CI half-width (`ci95`, Student t) of `metric` over the
+    rows of each `by` group (by default: over seeds, per experiment, variant and step). Rows
+    where the metric is NaN are left out; n = 1 gives std and ci95 NaN."""
+    by = list(by)
+    missing = [c for c in [*by, metric] if c not in df.columns]
+    if missing:
+        raise KeyError(f"aggregate_seeds: no column(s) {missing} in the frame")
+    data = df[[*by, metric]].copy()
+    data[metric] = pd.to_numeric(data[metric], errors="coerce")
+    data = data.dropna(subset=[metric])
+    if data.empty:
+        return pd.DataFrame(columns=[*by, "mean", "std", "n", "ci95"])
+    out = (
+        data.groupby(by, sort=True, dropna=False)[metric]
+        .agg(mean="mean", std="std", n="count")
+        .reset_index()
+    )
+    out["n"] = out["n"].astype("int64")
+    t = np.array([t_critical(int(n) - 1) for n in out["n"]], dtype=float)
+    out["ci95"] = t * out["std"].to_numpy(dtype=float) / np.sqrt(out["n"].to_numpy(dtype=float))
+    out.loc[out["n"] < 2, ["std", "ci95"]] = np.nan
+    return out
+
+
+# -- collapse verdict --------------------------------------------------------------------------
+def collapse_step(run_df: pd.DataFrame) -> int | None:
+    """The step at which the run collapsed, or None.
+
+    `collapse/detected_step` when the trainer logged it; else `omgrpo.diagnostics.
+    CollapseDetector` replayed over the logged `answers/unique_per_prompt` and
+    `answers/batch_mode_share` (thresholds from the run's `cfg.collapse.*`, default 1.5 / 0.5
+    / patience 3)."""
+    if "collapse/detected_step" in run_df.columns:
+        logged = pd.to_numeric(run_df["collapse/detected_step"], errors="coerce").dropna()
+        if len(logged):
+            return int(logged.iloc[0])
+    need = ["answers/unique_per_prompt", "answers/batch_mode_share"]
+    if any(c not in run_df.columns for c in need):
+        return None
+    params = {}
+    for key, default in DEFAULT_COLLAPSE.items():
+        col = f"{CFG_PREFIX}collapse.{key}"
+        value = (
+            run_df[col].dropna().iloc[0] if col in run_df and run_df[col].notna().any() else None
+        )
+        params[key] = type(default)(value) if value is not None else default
+    detector = CollapseDetector(
+        params["max_unique_per_prompt"], params["min_mode_share"], params["patience"]
+    )
+    rows = run_df.sort_values("step") if "step" in run_df.columns else run_df
+    for step, unique, share in zip(rows["step"], rows[need[0]], rows[need[1]]):
+        unique, share = pd.to_numeric(unique), pd.to_numeric(share)
+        if pd.isna(unique) or pd.isna(share):
+            continue  # a validation-only row (step 0): the trainer feeds training steps only
+        metrics = {need[0]: float(unique), need[1]: float(share)}
+        if detector.update(int(step), metrics):
+            return int(step)
+    return None
+
+
+def verdict(run_df: pd.DataFrame, status: Mapping[str, Any] | str | None = None) -> str:
+    """`"collapsed at step N"` (see `collapse_step`), else `"failed at step N"` when the
+    run's status (status.json dict or its `state`) says it failed, else `"stable"`."""
+    step = collapse_step(run_df)
+    if step is not None:
+        return f"collapsed at step {step}"
+    state = status.get("state") if isinstance(status, Mapping) else status
+    if state == "failed":
+        where = status.get("step") if isinstance(status, Mapping) else None
+        reason = status.get("reason") if isinstance(status, Mapping) else None
+        text = "failed" + (f" at step {where}" if where is not None else "")
+        return text + (f" ({reason})" if reason else "")
+    return "stable"
+
+
+def read_status(run_dir: str | Path | None) -> dict[str, Any]:
+    """status.json of a run directory ({} if absent)."""
+    if not run_dir:
+        return {}
+    return RunStore(run_dir).read_status()
+
+
+def config_text(run_dir: str | Path) -> str:
+    """A run's config.yaml as written (or dumped from the parsed config)."""
+    path = Path(run_dir) / "config.yaml"
+    return path.read_text() if path.is_file() else yaml.safe_dump({}, sort_keys=False)

@@ -1,0 +1,164 @@
+"""`write_report(run_dirs, out_dir)`: one markdown report of a set of runs.
+
+out_dir/report.md      title, per-run table with a collapse verdict, the tables, the
+                       figures that could be drawn (and why the others could not), and
+                       every run's resolved config (collapsed)
+out_dir/figures/       the figures, PNG + PDF
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+from omgrpo.analysis.figures import TITLES, all_figures
+from omgrpo.analysis.load import (
+    config_text,
+    find_run_dirs,
+    load_rollouts,
+    load_runs,
+    read_status,
+    verdict,
+)
+from omgrpo.analysis.tables import (
+    TABLE_TITLES,
+    Table,
+    all_tables,
+    markdown_table,
+    run_summary,
+)
+
+
+def _fmt(value, percent: bool = False) -> str:
+    if value is None or pd.isna(value):
+        return "–"
+    return f"{value * 100:.1f}%" if percent else f"{value:.2f}"
+
+
+def write_report(
+    run_dirs: str | Path | Iterable[str | Path], out_dir: str | Path, *, title: str | None = None
+) -> Path:
+    """Write `out_dir/report.md` (+ `out_dir/figures/`) for the runs in `run_dirs` (run
+    directories or folders of them); returns the report's path. Every run found is named in
+    the report, including runs that have not logged a step yet."""
+    if isinstance(run_dirs, str | Path):
+        run_dirs = [run_dirs]
+    sources = [Path(p) for p in run_dirs]
+    dirs = find_run_dirs(*sources)
+    out_dir = Path(out_dir)
+    fig_dir = out_dir / "figures"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    df = load_runs(*sources)
+    rollouts = load_rollouts(sources)
+    figures = all_figures(df, fig_dir, rollouts=rollouts)
+    tables = all_tables(df)
+
+    lines: list[str] = []
+    lines.append(f"# {title or 'omgrpo report: ' + out_dir.resolve().name}")
+    lines.append("")
+    now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    lines.append(
+        f"{len(dirs)} run(s) from {', '.join(f'`{s}`' for s in sources)}; generated {now} by "
+        "`omgrpo report`. Values are fractions of 1 unless marked %."
+    )
+    lines.append("")
+
+    # -- runs ----------------------------------------------------------------------------
+    lines += ["## Runs", ""]
+    summary = run_summary(df).set_index("run") if not df.empty else pd.DataFrame()
+    rows = []
+    for run_dir in dirs:
+        status = read_status(run_dir)
+        part = df[df["run_dir"] == str(run_dir)] if not df.empty else df
+        name = str(part["run"].iloc[0]) if len(part) else _run_name(run_dir)
+        s = summary.loc[name] if name in summary.index else None
+        total = status.get("total_steps")
+        steps = "0" if s is None else str(int(s["steps"]))
+        rows.append(
+            {
+                "run": f"`{name}`",
+                "method": "–" if s is None else s["method"],
+                "seed": "–" if s is None else str(s["seed"]),
+                "steps": steps + (f"/{total}" if total else ""),
+                "state": status.get("state", "?"),
+                "final val/acc": _fmt(None if s is None else s["final val/acc"], True),
+                "peak val/acc": _fmt(None if s is None else s["peak val/acc"], True),
+                "final unique/prompt": _fmt(None if s is None else s["final unique/prompt"]),
+                "final batch-mode share": _fmt(None if s is None else s["final batch-mode share"]),
+                "verdict": verdict(part, status) if len(part) else "no steps logged yet",
+            }
+        )
+    lines.append(markdown_table(pd.DataFrame(rows)))
+    lines += [
+        "",
+        "Verdict: `collapse/detected_step` when the trainer logged it, else "
+        "`omgrpo.diagnostics.CollapseDetector` (≤ 1.5 answers per prompt and the batch's top "
+        "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics.",
+        "",
+    ]
+
+    # -- tables --------------------------------------------------------------------------
+    lines += ["## Tables", ""]
+    for name, table in tables.items():
+        if isinstance(table, Table):
+            lines += [f"### {table.title}", "", table.markdown, ""]
+        else:
+            lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
+
+    # -- figures -------------------------------------------------------------------------
+    lines += ["## Figures", ""]
+    missing = {}
+    for name, result in figures.items():
+        if isinstance(result, str):
+            missing[name] = result
+            continue
+        png = next(p for p in result if p.suffix == ".png")
+        pdf = next(p for p in result if p.suffix == ".pdf")
+        rel_png = os.path.relpath(png, out_dir)
+        rel_pdf = os.path.relpath(pdf, out_dir)
+        lines += [
+            f"### {TITLES.get(name, name)}",
+            "",
+            f"![{name}]({rel_png})",
+            "",
+            f"[PDF]({rel_pdf})",
+            "",
+        ]
+    if missing:
+        lines += ["### Figures not drawn", ""]
+        for name, reason in missing.items():
+            lines.append(f"- **{TITLES.get(name, name)}** (`{name}`): {reason}")
+        lines.append("")
+
+    # -- configs -------------------------------------------------------------------------
+    lines += ["## Configs", ""]
+    for run_dir in dirs:
+        lines += [
+            "<details>",
+            f"<summary><code>{_run_name(run_dir)}</code> ({run_dir})</summary>",
+            "",
+            "```yaml",
+            config_text(run_dir).rstrip(),
+            "```",
+            "",
+            "</details>",
+            "",
+        ]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _run_name(run_dir: Path) -> str:
+    from omgrpo.store import RunStore
+
+    try:
+        config = RunStore(run_dir).read_config() or {}
+    except Exception:
+        config = {}
+    return str((config.get("run") or {}).get("name") or Path(run_dir).name)
