@@ -8,6 +8,7 @@ import warnings
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service import utils as mlflow_uri_state
 
 from omgrpo.config import compose
 from omgrpo.store import RunStore
@@ -15,6 +16,13 @@ from omgrpo.tracking import sanitize_metric_name
 from omgrpo.trainer import train
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _restore_mlflow_uri():
+    before = mlflow_uri_state._tracking_uri
+    yield
+    mlflow_uri_state._tracking_uri = before
 
 
 def test_broken_mlflow_uri_trains_to_the_end_then_syncs(tiny_overrides, tmp_path):

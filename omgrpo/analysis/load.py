@@ -305,13 +305,16 @@ def unsanitize_metric_name(key: str) -> str:
 @contextlib.contextmanager
 def _tracking_uri(uri: str):
     import mlflow
+    from mlflow.tracking._tracking_service import utils
 
-    before = mlflow.get_tracking_uri()
+    # Restore exactly what was there: an unset URI must stay unset (so $MLFLOW_TRACKING_URI
+    # keeps working for the caller), not be pinned to the default it resolved to.
+    before = utils._tracking_uri
     mlflow.set_tracking_uri(uri)
     try:
         yield mlflow
     finally:
-        mlflow.set_tracking_uri(before)
+        utils._tracking_uri = before
 
 
 def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:

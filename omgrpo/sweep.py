@@ -1,0 +1,398 @@
+"""`omgrpo sweep`: run a W&B sweep file's grid locally, in parallel and resumably.
+
+    omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [extra overrides...]
+
+The sweep files in `sweeps/` are ordinary W&B sweep configs (`method: grid`, `parameters`
+whose names are Hydra override keys, `command: ${env} ${interpreter} -m omgrpo train
+${args_no_hyphens}`), so the same file drives `wandb sweep` + `wandb agent` on W&B's server and
+this runner without any server. Each grid point becomes `python -m omgrpo train k=v ...` in a
+subprocess:
+
+- the run name is taken from the composed config (`omgrpo.config.compose`), so it is exactly
+  the trainer's `<run.experiment>__<run.variant>__s<seed>`;
+- `run.experiment` defaults to the sweep file's name (the run group), unless the sweep or the
+  extra overrides set it, or the grid varies `experiment` (then each preset's own
+  `run.experiment` keeps the runs apart, as it does under a W&B agent);
+- a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; a
+  partially written one is re-run with `run.resume=true`;
+- stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
+- `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set, and the
+  MLflow store is created once beforehand (parallel first migrations would race);
+- `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
+  failed, listing their logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["Run", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
+
+DONE_STATES = {"finished", "collapsed"}
+SCALAR_TYPES = (str, int, float, bool)
+
+
+class SweepError(ValueError):
+    """A malformed sweep file or grid (the message names the file and the key)."""
+
+
+# ----------------------------------------------------------------------------------------
+# Parsing and expansion
+# ----------------------------------------------------------------------------------------
+def load_sweep(path: str | Path) -> dict[str, Any]:
+    """Read and validate a W&B sweep file for local grid runs; returns the parsed dict.
+
+    Raises SweepError naming the file and the offending key: not a mapping, `method` missing or
+    not `grid`, no `parameters`, a parameter without `values` (a non-empty list) or `value`, or
+    a value that is not a scalar (nested blocks do not work with Hydra overrides).
+    """
+    path = Path(path)
+    try:
+        sweep = yaml.safe_load(path.read_text())
+    except FileNotFoundError as e:
+        raise SweepError(f"{path}: no such sweep file") from e
+    except yaml.YAMLError as e:
+        raise SweepError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(sweep, dict):
+        raise SweepError(f"{path}: a sweep file must be a mapping with 'method' and 'parameters'")
+    method = sweep.get("method")
+    if method is None:
+        raise SweepError(f"{path}: missing key 'method' (only 'grid' runs locally)")
+    if method != "grid":
+        raise SweepError(
+            f"{path}: method: {method!r} is not supported locally; only 'grid' can be expanded "
+            "(run random/bayes sweeps with `wandb sweep` + `wandb agent`)"
+        )
+    params = sweep.get("parameters")
+    if not isinstance(params, dict) or not params:
+        raise SweepError(
+            f"{path}: missing or empty key 'parameters' (a mapping of override key -> "
+            "{values: [...]} or {value: x})"
+        )
+    for key, spec in params.items():
+        where = f"{path}: parameters.{key}"
+        if not isinstance(spec, dict):
+            raise SweepError(f"{where}: must be a mapping with 'values' (a list) or 'value'")
+        if "values" in spec:
+            values = spec["values"]
+            if not isinstance(values, list) or not values:
+                raise SweepError(f"{where}.values: must be a non-empty list")
+        elif "value" in spec:
+            values = [spec["value"]]
+        else:
+            extra = f" (found {', '.join(map(str, spec))})" if spec else ""
+            raise SweepError(
+                f"{where}: needs 'values' (a list) or 'value'{extra}; distributions and nested "
+                "parameter blocks cannot be expanded into a grid"
+            )
+        for value in values:
+            if value is not None and not isinstance(value, SCALAR_TYPES):
+                raise SweepError(
+                    f"{where}: value {value!r} is not a scalar; nested values do not work as "
+                    "Hydra overrides (use a flat key such as optim.lr)"
+                )
+    return sweep
+
+
+def format_value(value: Any) -> str:
+    """A parameter value as Hydra override text (`null`, `true`/`false`, numbers, strings)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def expand_grid(sweep: dict[str, Any]) -> list[list[str]]:
+    """The cartesian product of the parameters, one `key=value` override list per grid point
+    (parameter order as in the file, the first one varying slowest; `value` is a constant)."""
+    axes = []
+    for key, spec in sweep["parameters"].items():
+        values = spec["values"] if "values" in spec else [spec["value"]]
+        axes.append([f"{key}={format_value(v)}" for v in values])
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def override_key(override: str) -> str:
+    """`+a.b=1` / `++a.b=1` / `~a.b` / `a.b=1` -> `a.b`."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge_overrides(*lists: list[str]) -> list[str]:
+    """Concatenate override lists; a later override of the same key replaces the earlier one
+    (in place, so the order stays readable)."""
+    out: list[str] = []
+    index: dict[str, int] = {}
+    for overrides in lists:
+        for ov in overrides:
+            key = override_key(ov)
+            if key in index:
+                out[index[key]] = ov
+            else:
+                index[key] = len(out)
+                out.append(ov)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    name: str
+    root: Path
+    overrides: list[str]
+    state: str  # "new", "resume" or "skip"
+    status: dict[str, Any] = field(default_factory=dict)
+    mlflow_uri: str | None = None
+    config: Any = field(default=None, repr=False)
+    """The composed config (before run.resume / trainer.threads are added)."""
+
+    @property
+    def dir(self) -> Path:
+        return self.root / self.name
+
+    @property
+    def log(self) -> Path:
+        return self.root / f"{self.name}.log"
+
+
+def read_status(run_dir: Path) -> dict[str, Any]:
+    """status.json of a run, {} if absent or half-written."""
+    try:
+        return json.loads((run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def plan_runs(path: str | Path, extra: list[str] | None = None) -> list[Run]:
+    """Expand a sweep file into runs: overrides, composed name, and what to do with each."""
+    from omgrpo.config import compose
+    from omgrpo.tracking import default_mlflow_uri
+
+    path = Path(path)
+    sweep = load_sweep(path)
+    extra = list(extra or [])
+    grid = expand_grid(sweep)
+    merged = [merge_overrides(combo, extra) for combo in grid]
+    keys = {override_key(ov) for overrides in merged for ov in overrides}
+    experiments = {
+        ov for overrides in merged for ov in overrides if override_key(ov) == "experiment"
+    }
+    defaults = []
+    if "run.experiment" not in keys and len(experiments) <= 1:
+        defaults.append(f"run.experiment={path.stem}")
+
+    runs: list[Run] = []
+    seen: dict[str, list[str]] = {}
+    for combo in grid:
+        overrides = merge_overrides(combo, defaults, extra)
+        try:
+            cfg = compose(overrides)
+            name, root = str(cfg.run.name), Path(str(cfg.run.root))
+            tracking = cfg.tracking
+            uri = None
+            if tracking.mlflow:
+                uri = str(tracking.mlflow_uri or default_mlflow_uri(root))
+        except Exception as e:
+            raise SweepError(f"{path}: run {' '.join(overrides)} does not compose: {e}") from e
+        key = str(root / name)
+        if key in seen:
+            raise SweepError(
+                f"{path}: two grid points get the same run directory {key}:\n  "
+                f"{' '.join(seen[key])}\n  {' '.join(overrides)}\n"
+                "add the varying key to the run name (run.experiment / run.variant) or give "
+                "them different run.root values"
+            )
+        seen[key] = overrides
+        status = read_status(root / name)
+        if status.get("state") in DONE_STATES:
+            state = "skip"
+        elif (root / name).exists():
+            state = "resume"
+            overrides = merge_overrides(combo, defaults, ["run.resume=true"], extra)
+        else:
+            state = "new"
+        runs.append(Run(name, root, overrides, state, status, uri, cfg))
+    return runs
+
+
+# ----------------------------------------------------------------------------------------
+# Running
+# ----------------------------------------------------------------------------------------
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _prepare_mlflow(runs: list[Run], say) -> None:
+    """Create every MLflow store the runs will write to, once, before they start in parallel."""
+    uris = sorted({r.mlflow_uri for r in runs if r.mlflow_uri})
+    if not uris:
+        return
+    from omgrpo.tracking import mlflow_client
+
+    for uri in uris:
+        if uri.startswith("sqlite:///"):
+            Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mlflow_client(uri)
+        except Exception as e:  # the runs will warn and carry on without MLflow
+            say(f"warning: could not prepare the MLflow store {uri}: {e}")
+
+
+def _run_one(run: Run, env: dict[str, str]) -> tuple[str, float]:
+    """Run one training subprocess; returns (outcome, seconds). outcome: done or failed: ..."""
+    cmd = [sys.executable, "-m", "omgrpo", "train", *run.overrides]
+    run.root.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with run.log.open("a") as log:
+        log.write(
+            f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} omgrpo sweep ({run.state}): "
+            f"{' '.join(cmd)}\n"
+        )
+        log.flush()
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        return f"failed: exit code {proc.returncode}", seconds
+    state = read_status(run.dir).get("state")
+    if state not in DONE_STATES:
+        return f"failed: exited 0 but status is {state!r}", seconds
+    return "done", seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="omgrpo sweep",
+        description="Run a W&B sweep file's grid locally (resumable; finished runs skipped).",
+    )
+    parser.add_argument("sweep_file", help="a W&B sweep YAML with method: grid (sweeps/*.yaml)")
+    parser.add_argument("--jobs", "-j", type=int, default=1, help="runs at once (default 1)")
+    parser.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
+    parser.add_argument(
+        "overrides", nargs="*", help="extra Hydra overrides for every run (key=value)"
+    )
+    args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
+    if args.jobs < 1:
+        parser.error("--jobs must be >= 1")
+
+    try:
+        runs = plan_runs(args.sweep_file, args.overrides)
+    except SweepError as e:
+        print(f"omgrpo sweep: {e}", file=sys.stderr)
+        return 2
+
+    sweep_name = Path(args.sweep_file).stem
+    todo = [r for r in runs if r.state != "skip"]
+    if args.jobs > 1:
+        threads = max(1, _cores() // args.jobs)
+        for r in todo:
+            if not any(override_key(ov) == "trainer.threads" for ov in r.overrides):
+                r.overrides.append(f"trainer.threads={threads}")
+
+    if args.dry_run:
+        print(f"sweep {sweep_name}: {len(runs)} runs ({len(todo)} to run)")
+        for r in runs:
+            label = {"new": "run", "resume": "resume", "skip": "skip"}[r.state]
+            detail = f" ({r.status.get('state')})" if r.state == "skip" else ""
+            print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
+        return 0
+
+    return _execute(sweep_name, runs, todo, args.jobs)
+
+
+def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    counts = {"done": 0, "skipped": len(runs) - len(todo), "failed": 0, "running": 0}
+    failed: list[tuple[Run, str]] = []
+    lock = threading.Lock()
+
+    env = dict(os.environ)
+    env.setdefault("WANDB_MODE", "offline")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+    def summary() -> str:
+        return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))
+
+    console.print(
+        f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished "
+        f"(skipped), {len(todo)} to run with {jobs} at once"
+    )
+    for r in runs:
+        if r.state == "skip":
+            console.print(f"  skipped {r.name} ({r.status.get('state')})")
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[summary]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task(sweep_name, total=len(runs), summary=summary())
+        progress.update(task, completed=counts["skipped"])
+        if todo:
+            if jobs > 1:
+                _prepare_mlflow(todo, progress.console.print)
+
+            def work(run: Run) -> tuple[str, float]:
+                with lock:
+                    counts["running"] += 1
+                    progress.update(task, summary=summary())
+                verb = "resuming" if run.state == "resume" else "starting"
+                progress.console.print(f"  {verb} {run.name}  (log: {run.log})")
+                try:
+                    return _run_one(run, env)
+                except Exception as e:  # e.g. the log cannot be written
+                    return f"failed: {e}", 0.0
+
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                futures = {pool.submit(work, r): r for r in todo}
+                for future in as_completed(futures):
+                    run = futures[future]
+                    outcome, seconds = future.result()
+                    with lock:
+                        counts["running"] -= 1
+                        if outcome == "done":
+                            counts["done"] += 1
+                            progress.console.print(f"  done {run.name} ({seconds:.0f} s)")
+                        else:
+                            counts["failed"] += 1
+                            failed.append((run, outcome))
+                            progress.console.print(
+                                f"  [red]FAILED[/red] {run.name} ({outcome}); log: {run.log}"
+                            )
+                        progress.update(task, advance=1, summary=summary())
+
+    print(f"sweep {sweep_name}: {len(runs)} runs: {summary().replace(', 0 running', '')}")
+    if failed:
+        print("failed runs (logs):", file=sys.stderr)
+        for run, outcome in failed:
+            print(f"  {run.name}: {outcome}\n    {run.log}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Sweep files (`sweeps/*.yaml`) and the local runner `omgrpo sweep` (omgrpo.sweep)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omgrpo.config import compose
+from omgrpo.models.loading import base_model_dir
+from omgrpo.sweep import SweepError, expand_grid, load_sweep, main, plan_runs
+from omgrpo.tasks import load_task
+
+SWEEPS = Path(__file__).resolve().parent.parent / "sweeps"
+# counted by hand: methods x seeds (x scales)
+EXPECTED_RUNS = {
+    "main_table": 6 * 3,  # gt, mv, self_certainty, entropy, coreward, om_grpo
+    "ablations": 5 * 3,  # om_grpo, w/o soft, w/o CAR, w/o OMU, w/o CAR and OMU
+    "answer_weight": 5 * 3,  # w = 0, 0.25, 0.5, 0.75, format-only
+    "car_vs_n": 4 * 3,  # om_grpo (CAR, n = 8) vs no CAR at n = 8, 16, 64
+    "ttt": 2 * 3,  # mv, om_grpo on toy_ttt
+    "base_strength": 2 * 2 * 3,  # toy_weak / toy_strong x mv / om_grpo
+}
+
+
+def test_every_sweep_file_is_listed():
+    assert {p.stem for p in SWEEPS.glob("*.yaml")} == set(EXPECTED_RUNS)
+    readme = (SWEEPS / "README.md").read_text()
+    for name in EXPECTED_RUNS:
+        assert f"{name}.yaml" in readme
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_RUNS))
+def test_sweep_file_parses_and_expands(name):
+    path = SWEEPS / f"{name}.yaml"
+    sweep = load_sweep(path)
+    assert sweep["method"] == "grid"
+    assert sweep["command"] == [
+        "${env}",
+        "${interpreter}",
+        "-m",
+        "omgrpo",
+        "train",
+        "${args_no_hyphens}",
+    ]
+    params = sweep["parameters"]
+    assert "experiment" in params and "run.root" in params
+    for key, spec in params.items():
+        values = spec.get("values", [spec.get("value")])
+        # W&B writes `f"{key}={value}"`: Python's True / None would reach Hydra as "True" /
+        # the string "None", so sweep files hold strings and numbers only
+        assert all(isinstance(v, (str, int, float)) and not isinstance(v, bool) for v in values)
+        assert not isinstance(spec.get("value"), (dict, list)), key
+    grid = expand_grid(sweep)
+    assert len(grid) == EXPECTED_RUNS[name]
+    assert len({tuple(g) for g in grid}) == len(grid)
+    assert all(len(g) == len(params) for g in grid)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """Every sweep file planned once (composing ~80 configs takes a while)."""
+    return {name: plan_runs(SWEEPS / f"{name}.yaml") for name in EXPECTED_RUNS}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_RUNS))
+def test_every_expanded_run_composes(name, plans):
+    grid = expand_grid(load_sweep(SWEEPS / f"{name}.yaml"))
+    runs = plans[name]
+    assert len(runs) == len(grid) == EXPECTED_RUNS[name]
+    for combo, run in zip(grid, runs):
+        cfg = run.config  # composed by plan_runs with omgrpo.config.compose
+        values = dict(ov.split("=", 1) for ov in combo)
+        assert cfg.method == values["method"]
+        assert str(cfg.seed) == values["seed"]
+        assert cfg.run.name == run.name == f"{cfg.run.experiment}__{cfg.method}__s{cfg.seed}"
+        assert run.overrides[: len(combo)] == combo
+
+
+def test_sweeps_never_share_a_run_directory(plans):
+    """All sweep files write under run.root=runs (one MLflow store): names must not collide,
+    or a W&B agent's second run of a name would find the first one's directory."""
+    names = [r.name for runs in plans.values() for r in runs]
+    assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
+    assert {str(r.root) for runs in plans.values() for r in runs} == {"runs"}
+
+
+def test_run_group_defaults_to_the_sweep_file_name(tmp_path):
+    path = tmp_path / "my_study.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "method": "grid",
+                "parameters": {
+                    "method": {"values": ["mv", "om_grpo"]},
+                    "seed": {"value": 3},
+                    "run.root": {"value": str(tmp_path / "runs")},
+                },
+            }
+        )
+    )
+    assert [r.name for r in plan_runs(path)] == ["my_study__mv__s3", "my_study__om_grpo__s3"]
+    # an explicit run.experiment (here as an extra override) wins
+    assert plan_runs(path, ["run.experiment=other"])[0].name == "other__mv__s3"
+    # extra overrides replace the grid's value for the same key
+    assert plan_runs(path, ["seed=5"])[1].overrides.count("seed=5") == 1
+    # a grid varying `experiment` keeps each preset's run.experiment
+    base = SWEEPS / "base_strength.yaml"
+    assert {r.name.split("__")[0] for r in plan_runs(base)} == {"toy_weak", "toy_strong"}
+
+
+def test_grid_points_that_collide_are_refused():
+    with pytest.raises(SweepError, match=r"main_table\.yaml: two grid points"):
+        plan_runs(SWEEPS / "main_table.yaml", ["seed=7"])  # 3 seeds -> one name
+
+
+def test_expand_grid_is_a_cartesian_product_in_file_order():
+    sweep = {
+        "method": "grid",
+        "parameters": {
+            "a": {"values": [1, 2]},
+            "b": {"value": "x"},
+            "c": {"values": [0.5, True, None]},
+        },
+    }
+    assert expand_grid(sweep) == [
+        ["a=1", "b=x", "c=0.5"],
+        ["a=1", "b=x", "c=true"],
+        ["a=1", "b=x", "c=null"],
+        ["a=2", "b=x", "c=0.5"],
+        ["a=2", "b=x", "c=true"],
+        ["a=2", "b=x", "c=null"],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ({"method": "grid"}, "'parameters'"),
+        ({"method": "grid", "parameters": {}}, "'parameters'"),
+        ({"method": "grid", "parameters": {"seed": {"min": 0, "max": 3}}}, "parameters.seed"),
+        ({"method": "grid", "parameters": {"seed": 3}}, "parameters.seed"),
+        ({"method": "grid", "parameters": {"seed": {"values": []}}}, "parameters.seed.values"),
+        ({"method": "grid", "parameters": {"optim": {"value": {"lr": 1}}}}, "parameters.optim"),
+        ({"method": "random", "parameters": {"seed": {"value": 1}}}, "method"),
+        ({"parameters": {"seed": {"value": 1}}}, "'method'"),
+        (["not", "a", "mapping"], "mapping"),
+    ],
+)
+def test_malformed_sweep_names_file_and_key(tmp_path, body, where):
+    path = tmp_path / "bad_sweep.yaml"
+    path.write_text(yaml.safe_dump(body))
+    with pytest.raises(SweepError) as err:
+        load_sweep(path)
+    assert str(path) in str(err.value)
+    assert where in str(err.value)
+
+
+def test_cli_reports_a_malformed_sweep(tmp_path, capsys):
+    path = tmp_path / "bad_sweep.yaml"
+    path.write_text("method: grid\nparameters:\n  seed: {}\n")
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "bad_sweep.yaml" in err and "parameters.seed" in err
+
+
+def test_finished_runs_are_skipped_and_partial_ones_resumed(tmp_path):
+    runs = plan_runs(SWEEPS / "ttt.yaml", [f"run.root={tmp_path}"])
+    (tmp_path / runs[0].name).mkdir()
+    (tmp_path / runs[0].name / "status.json").write_text(json.dumps({"state": "finished"}))
+    (tmp_path / runs[1].name).mkdir()
+    (tmp_path / runs[1].name / "status.json").write_text(json.dumps({"state": "running"}))
+    (tmp_path / runs[2].name).mkdir()
+    (tmp_path / runs[2].name / "status.json").write_text('{"state": "fini')  # half written
+    again = plan_runs(SWEEPS / "ttt.yaml", [f"run.root={tmp_path}"])
+    assert [r.state for r in again] == ["skip", "resume", "resume", "new", "new", "new"]
+    assert "run.resume=true" in again[1].overrides
+    assert "run.resume=true" not in again[3].overrides
+
+
+def _tiny_sweep(tmp_path: Path, tiny_overrides: list[str], steps: int = 2) -> Path:
+    """A 2 x 2 sweep of TINY toy runs, the TINY overrides as `value:` constants."""
+    params = {"method": {"values": ["mv", "om_grpo_no_car"]}, "seed": {"values": [0, 1]}}
+    for ov in [*tiny_overrides, f"trainer.steps={steps}"]:
+        key, value = ov.split("=", 1)
+        params[key] = {"value": yaml.safe_load(value)}
+    assert params["tracking.mlflow"] == {"value": False}
+    assert params["tracking.wandb"] == {"value": False}
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"method": "grid", "parameters": params}, sort_keys=False))
+    return path
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys):
+    path = _tiny_sweep(tmp_path, tiny_overrides)
+    root = tmp_path / "runs"
+    names = [f"tiny__{m}__s{s}" for m in ("mv", "om_grpo_no_car") for s in (0, 1)]
+
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "4 runs (4 to run)" in out
+    assert sum(f"] {n}: " in out for n in names) == 4
+
+    # build the shared toy base once here, not twice in parallel in the runs
+    cfg = compose(tiny_overrides)
+    base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
+
+    assert main([str(path), "--jobs", "2"]) == 0
+    out = capsys.readouterr()
+    assert "4 done, 0 skipped, 0 failed" in out.out
+    for name in names:
+        assert json.loads((root / name / "status.json").read_text())["state"] == "finished"
+        log = (root / name).with_suffix(".log").read_text()
+        assert "trainer.threads=" in log and "run finished" in log
+
+    assert main([str(path), "--jobs", "2"]) == 0
+    out = capsys.readouterr()
+    assert "0 done, 4 skipped, 0 failed" in out.out
+    assert "4 already finished (skipped)" in out.err
+
+    # a run left half-done (killed after its last checkpoint) is resumed, the others skipped
+    status = root / names[0] / "status.json"
+    status.write_text(json.dumps({"state": "running", "step": 2}))
+    assert main([str(path)]) == 0
+    out = capsys.readouterr()
+    assert "1 done, 3 skipped, 0 failed" in out.out
+    assert "resuming " + names[0] in out.err
+    assert json.loads(status.read_text())["state"] == "finished"
+    assert "run.resume=true" in (root / f"{names[0]}.log").read_text()
+
+
+@pytest.mark.slow
+def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
+    path = tmp_path / "broken.yaml"
+    # task=files without files composes, then fails in the trainer
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "method": "grid",
+                "parameters": {
+                    "seed": {"values": [0, 1]},
+                    "task.name": {"value": "files"},
+                    "tracking.mlflow": {"value": False},
+                    "tracking.wandb": {"value": False},
+                    "run.root": {"value": str(tmp_path / "runs")},
+                },
+            }
+        )
+    )
+    assert main([str(path), "--jobs", "2"]) == 1
+    out = capsys.readouterr()
+    assert "0 done, 0 skipped, 2 failed" in out.out
+    for seed in (0, 1):
+        log = tmp_path / "runs" / f"broken__om_grpo__s{seed}.log"
+        assert str(log) in out.err
+        assert "task.train_path" in log.read_text()
