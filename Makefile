@@ -48,7 +48,7 @@ test: setup lint
 
 # For now: one toy OM-GRPO run (warm start included) on the CPU.
 demo: setup
-	$(VENV)/bin/omgrpo train run.root=runs run.name=demo__om_grpo__s0 trainer.steps=30
+	$(VENV)/bin/omgrpo train run.root=runs run.name=demo__om_grpo__s0 trainer.steps=20
 	@echo "results: runs/demo__om_grpo__s0/ (metrics.jsonl, rollouts/, checkpoints/, config.yaml)"
 
 clean:

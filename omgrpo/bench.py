@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)
     result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides)
     text = json.dumps(result, indent=2)
     if ns.out:
