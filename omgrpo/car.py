@@ -61,7 +61,7 @@ import torch
 from transformers import DynamicCache
 
 from omgrpo.answers import cluster
-from omgrpo.rollout import common_prefix_len, left_pad
+from omgrpo.rollout import common_prefix_len, left_pad, sample_next_token
 from omgrpo.tasks import build_messages
 
 __all__ = [
@@ -337,19 +337,6 @@ def prefix_tree_forward(
     return logits, cache, mask, next_pos
 
 
-def _sample_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """logits (B, V) -> ids (B,); temperature 0 is greedy (same rule as the rollout sampler)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p  # the top token is always kept
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1).squeeze(-1)
-
-
 class _BraceTracker:
     """Per-row brace depth over decoded token pieces: a row is closed once the `{` opened by
     the prompt is closed (the same scan as `parse_pair_answer`)."""
@@ -402,7 +389,7 @@ def _decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg) -> lis
     batch = list(range(n_rows))  # row at each batch position, -1 once it has stopped
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     for step in range(cfg.max_new_tokens):
-        toks = _sample_token(logits, cfg.temperature, cfg.top_p)
+        toks = sample_next_token(logits, cfg.temperature, cfg.top_p)
         keep = []  # batch positions still open
         for p, tok in enumerate(toks.tolist()):
             r = batch[p]

@@ -16,19 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from omgrpo.tracking import flatten
+
 # Keys allowed to differ between the checkpoint's config and the resuming one.
 RESUME_IGNORED = {"run.resume", "trainer.progress", "trainer.threads"}
-
-
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def config_diff(saved: dict, current: dict) -> list[str]:

@@ -71,7 +71,7 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _sample_next(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """logits (B, V) -> token ids (B,). temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -122,7 +122,7 @@ def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pa
     logits, cache, mask, next_pos = shared_prefix_forward(model, prompts, pad_id, use_cache=True)
     tokens, alive = [], torch.ones(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        tok = _sample_next(logits[:, -1, :], temperature, top_p)
+        tok = sample_next_token(logits[:, -1, :], temperature, top_p)
         tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
         tokens.append(tok)
         alive = alive & ~torch.isin(tok, stops)
