@@ -28,7 +28,9 @@ CAR_VARIANTS = {
 }
 
 
-def bench_car(steps: int = 3, overrides: list[str] | None = None) -> dict:
+def bench_car(
+    steps: int = 3, overrides: list[str] | None = None, partial: Path | None = None
+) -> dict:
     from omgrpo.trainer import train
 
     fixed = [
@@ -52,6 +54,8 @@ def bench_car(steps: int = 3, overrides: list[str] | None = None) -> dict:
             results[name]["rollouts_per_step"] = float(
                 compose([*fixed, *variant]).rollout.n * compose(fixed).trainer.prompts_per_step
             )
+            if partial is not None:  # long variants (n = 64) should not lose finished ones
+                partial.write_text(json.dumps({"partial": True, "seconds": results}, indent=2))
     c, a = results["c_om_grpo_car"], results["a_mv"]
     ratios = {
         "car_over_gen": c["time/car"] / c["time/gen"],
@@ -82,7 +86,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
-    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides)
+    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out)
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)
