@@ -46,9 +46,9 @@ format: setup
 test: setup lint
 	$(VENV)/bin/pytest -q
 
-# For now: one toy OM-GRPO run (warm start included) on the CPU.
+# For now: one toy OM-GRPO run (no CAR: it costs ~4x generation on the toy world) on the CPU.
 demo: setup
-	$(VENV)/bin/omgrpo train run.root=runs run.name=demo__om_grpo__s0 trainer.steps=20
+	$(VENV)/bin/omgrpo train method=om_grpo_no_car run.root=runs run.name=demo__om_grpo__s0 trainer.steps=20
 	@echo "results: runs/demo__om_grpo__s0/ (metrics.jsonl, rollouts/, checkpoints/, config.yaml)"
 
 clean:
