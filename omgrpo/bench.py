@@ -21,10 +21,10 @@ from omgrpo.store import RunStore
 
 CAR_VARIANTS = {
     "a_mv": ["method=mv"],
-    "b_om_grpo_no_car": ["method=om_grpo"],
-    "c_om_grpo_car": ["method=om_grpo", "car.enable=true"],
-    "d_om_grpo_n16": ["method=om_grpo", "rollout.n=16"],
-    "d_om_grpo_n64": ["method=om_grpo", "rollout.n=64"],
+    "b_om_grpo_no_car": ["method=om_grpo_no_car"],
+    "c_om_grpo_car": ["method=om_grpo"],
+    "d_om_grpo_n16": ["method=om_grpo_no_car", "rollout.n=16"],
+    "d_om_grpo_n64": ["method=om_grpo_no_car", "rollout.n=64"],
 }
 
 
