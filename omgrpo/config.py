@@ -81,6 +81,9 @@ class WarmStartConfig:
     """SFT learning rate (AdamW, cosine to 10%)."""
     batch_size: int = 64
     """SFT batch size (sequences)."""
+    car_share: float = 0.1
+    """Share of SFT batches that are CAR comparisons (correct vs. slipped solution -> the
+    correct answer), so the base knows CAR's answer format; 0 = solutions only."""
     seed: int = 0
     """Seed of the initial weights and SFT batches."""
 

@@ -1,13 +1,20 @@
 """Toy world generator and file datasets."""
 
 import json
+import random
+import re
 
 import pytest
 
 from omgrpo.config import compose
 from omgrpo.tasks import load_task
 from omgrpo.tasks.files import load_problems
-from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems, generate_toy_splits
+from omgrpo.tasks.toy import (
+    ToyWorldSpec,
+    corrupt_solution,
+    generate_sft_problems,
+    generate_toy_splits,
+)
 
 
 def _evaluate(question: str) -> int:
@@ -63,6 +70,60 @@ def test_sft_problems_avoid_the_rl_splits():
     seen = {p.question for p in splits.train + splits.val + splits.test}
     sft = generate_sft_problems(500, seed=0, spec=ToyWorldSpec(), exclude=seen)
     assert len(sft) == 500 and not ({p.question for p in sft} & seen)
+
+
+def _check_lines(solution: str) -> tuple[int, int]:
+    """(lines whose arithmetic is wrong, final boxed value) of a toy solution."""
+    *lines, last = solution.split("\n")
+    bad, value = 0, None
+    for line in lines:
+        m = re.match(r"^(\d+)([+\-*])(\d+)=(\d+)$", line)
+        a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
+        assert value is None or a == value  # each line continues from the previous result
+        bad += c != (a + b if op == "+" else a - b if op == "-" else a * b)
+        assert 0 <= c <= 99
+        value = c
+    assert last == f"So the answer is \\boxed{{{value}}}."
+    return bad, value
+
+
+def test_corrupt_solution_slips_once_and_carries_the_error():
+    spec = ToyWorldSpec()
+    rng = random.Random(0)
+    n_done = 0
+    for p in generate_sft_problems(200, 0, spec):
+        wrong = corrupt_solution(p, rng, spec)
+        if wrong is None:
+            continue
+        n_done += 1
+        bad, value = _check_lines(wrong)
+        assert bad == 1 and str(value) != p.answer
+    assert n_done > 180  # a slip in range exists for nearly every problem
+
+
+def test_car_sft_examples_answer_the_correct_solution():
+    from omgrpo.car import car_prompt
+    from omgrpo.models.tokenizer import build_char_tokenizer
+    from omgrpo.models.toy import car_examples
+
+    tok = build_char_tokenizer()
+    spec = ToyWorldSpec()
+    problems = generate_sft_problems(80, 0, spec)
+    examples = car_examples(tok, problems, spec, seed=0)
+    assert len(examples) > 70
+    by_question = {p.question: p for p in problems}
+    same = 0
+    for prompt_ids, target_ids in examples:
+        text = tok.decode(prompt_ids)
+        question = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        p = by_question[question]
+        assert tok.decode(target_ids) == p.answer + "}"
+        first = text.split("[Solution 1]\n")[1].split("\n\n[Solution 2]")[0]
+        second = text.split("[Solution 2]\n")[1].split("\n\nBased on")[0]
+        assert text == car_prompt(tok, question, first, second)
+        assert p.solution in (first, second)
+        same += first == second
+    assert 0.1 < same / len(examples) < 0.4  # a quarter compare a solution with itself
 
 
 def test_impossible_toy_request_is_a_clear_error():

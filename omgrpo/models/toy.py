@@ -22,11 +22,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from omgrpo.car import car_prompt
 from omgrpo.losses import token_logprobs_and_entropy
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.rollout import Sequences, left_pad, response_logits, right_pad
 from omgrpo.tasks.base import build_messages
-from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems
+from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
 # Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.
 TOY_BASE_VERSION = 1
@@ -82,12 +83,20 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     ws = model_cfg.warm_start
     print(f"warm start: training the toy base ({ws.steps} SFT steps) into {out}", flush=True)
     model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
-    problems = generate_sft_problems(
-        SFT_PROBLEMS, ws.seed, ToyWorldSpec.from_config(task_cfg), exclude_questions
-    )
+    spec = ToyWorldSpec.from_config(task_cfg)
+    problems = generate_sft_problems(SFT_PROBLEMS, ws.seed, spec, exclude_questions)
+    car = car_examples(tokenizer, problems, spec, ws.seed) if ws.car_share > 0 else []
     start = time.perf_counter()
     losses = sft(
-        model, tokenizer, problems, steps=ws.steps, lr=ws.lr, batch_size=ws.batch_size, seed=ws.seed
+        model,
+        tokenizer,
+        solution_examples(tokenizer, problems),
+        steps=ws.steps,
+        lr=ws.lr,
+        batch_size=ws.batch_size,
+        seed=ws.seed,
+        car=car,
+        car_share=ws.car_share,
     )
     # Write to a temporary directory and rename, so parallel runs never see half a model.
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -108,18 +117,11 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     return out
 
 
-def sft(
-    model: torch.nn.Module,
-    tokenizer: PreTrainedTokenizerBase,
-    problems: list,
-    steps: int,
-    lr: float,
-    batch_size: int,
-    seed: int,
-) -> list[float]:
-    """Supervised warm start on worked solutions; loss on the response tokens only."""
-    if steps <= 0:
-        return []
+Example = tuple[list[int], list[int]]  # (prompt ids, target ids); the loss is on the target
+
+
+def solution_examples(tokenizer: PreTrainedTokenizerBase, problems: list) -> list[Example]:
+    """Question -> worked solution + EOS, in the rollout prompt format."""
     examples = []
     for p in problems:
         prompt = tokenizer.apply_chat_template(
@@ -128,6 +130,46 @@ def sft(
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         target_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"]
         examples.append((prompt_ids, [*target_ids, tokenizer.eos_token_id]))
+    return examples
+
+
+def car_examples(
+    tokenizer: PreTrainedTokenizerBase, problems: list, spec: ToyWorldSpec, seed: int
+) -> list[Example]:
+    """CAR comparisons (the paper's CAR prompt, `omgrpo.car.car_prompt`) -> the correct answer
+    and the closing brace. A quarter compare a correct solution with itself (rollouts of a group
+    are often identical), the rest a correct one with a corrupted one, in random order. This is
+    the toy stand-in for what a pre-trained LLM brings to CAR: the answer format and some
+    ability to tell a right solution from a slipped one; it uses labels, like all SFT data."""
+    rng = random.Random(f"omgrpo-toy-car-sft-{seed}")
+    examples = []
+    for p in problems:
+        wrong = p.solution if rng.random() < 0.25 else corrupt_solution(p, rng, spec)
+        if wrong is None:
+            continue
+        first, second = (p.solution, wrong) if rng.random() < 0.5 else (wrong, p.solution)
+        text = car_prompt(tokenizer, p.question, first, second)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        target_ids = tokenizer(p.answer + "}", add_special_tokens=False)["input_ids"]
+        examples.append((prompt_ids, target_ids))
+    return examples
+
+
+def sft(
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    examples: list[Example],
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    car: list[Example] | None = None,
+    car_share: float = 0.0,
+) -> list[float]:
+    """Supervised warm start; loss on the target tokens only. A `car_share` of the batches are
+    drawn from `car` (whole batches, so short solution prompts are never padded to CAR length)."""
+    if steps <= 0:
+        return []
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -137,7 +179,8 @@ def sft(
     losses = []
     bar = tqdm(range(steps), desc="warm start (SFT)", leave=False, disable=not os.isatty(2))
     for _ in bar:
-        batch = rng.sample(examples, batch_size)
+        pool = car if car and rng.random() < car_share else examples
+        batch = rng.sample(pool, min(batch_size, len(pool)))
         prompt_ids, prompt_mask = left_pad([a for a, _ in batch], tokenizer.pad_token_id)
         target_ids, target_mask = right_pad([b for _, b in batch], tokenizer.pad_token_id)
         seqs = Sequences(prompt_ids, prompt_mask, target_ids, target_mask)

@@ -17,6 +17,7 @@ question.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 from omgrpo.tasks.base import Problem, TaskSplits
@@ -131,3 +132,37 @@ def generate_sft_problems(
         if p.question not in exclude:
             out.append(p)
     return out
+
+
+_LINE = re.compile(r"^(\d+)([+\-*])(\d+)=(\d+)$")
+
+
+def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:
+    """A plausible wrong worked solution: one line's result is off by a small amount and the
+    later lines carry the error forward correctly, as a model's own slip would. Returns None if
+    no slip keeps every value within [0, max_value] (the caller skips the problem).
+
+    Used for the CAR part of the warm start: comparisons of a correct and a wrong solution teach
+    the base model the CAR answer format (a base LLM knows it from pre-training)."""
+    *lines, last = problem.solution.split("\n")
+    parsed = [_LINE.match(line) for line in lines]
+    if not lines or not all(parsed) or "\\boxed{" not in last:
+        return None
+    steps = [(m.group(2), int(m.group(3))) for m in parsed]
+    start = int(parsed[0].group(1))
+    for _ in range(10):
+        k = rng.randrange(len(steps))
+        delta = rng.choice([-10, -2, -1, 1, 2, 10])
+        value, out, ok = start, [], True
+        for idx, (op, n) in enumerate(steps):
+            new = value + n if op == "+" else value - n if op == "-" else value * n
+            if idx == k:
+                new += delta
+            if not 0 <= new <= spec.max_value:
+                ok = False
+                break
+            out.append(f"{value}{op}{n}={new}")
+            value = new
+        if ok:
+            return "\n".join(out) + f"\nSo the answer is \\boxed{{{value}}}."
+    return None
