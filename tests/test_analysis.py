@@ -8,6 +8,7 @@ runs: method=mv and method=om_grpo, seeds 0 and 1, made with `omgrpo train`).
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import subprocess
@@ -445,3 +446,23 @@ def test_report_command_names_every_run(tmp_path):
     assert "Figures not drawn" in text and "car.enable=true" in text
     assert "Per-stage overhead" in text and "```yaml" in text
     assert text.count("stable") >= 4 or "collapsed at step" in text
+
+    # summary.json: per-run numbers equal a plain read of each run's metrics.jsonl
+    summary = json.loads((out / "summary.json").read_text())
+    assert sorted(r["run"] for r in summary["runs"]) == sorted(FIXTURE_RUNS)
+    for entry in summary["runs"]:
+        rows = [json.loads(line) for line in (FIXTURE / entry["run"] / "metrics.jsonl").open()]
+        acc = [r["val/acc"] for r in rows if "val/acc" in r]
+        train = [r for r in rows if "answers/unique_per_prompt" in r]
+        assert entry["peak_val_acc"] == pytest.approx(max(acc), abs=1e-4)
+        assert entry["final_val_acc"] == pytest.approx(acc[-1], abs=1e-4)
+        last = train[-1]
+        assert entry["final_unique_per_prompt"] == pytest.approx(
+            last["answers/unique_per_prompt"], abs=1e-4
+        )
+        assert entry["final_batch_mode_share"] == pytest.approx(
+            last["answers/batch_mode_share"], abs=1e-4
+        )
+        assert "collapse_step" in entry
+        method = summary["methods"][entry["variant"]]
+        assert entry["run"] in method["runs"] and entry["seed"] in method["seeds"]

@@ -4,11 +4,14 @@ out_dir/report.md      title, per-run table with a collapse verdict, the tables,
                        figures that could be drawn (and why the others could not), and
                        every run's resolved config (collapsed)
 out_dir/figures/       the figures, PNG + PDF
+out_dir/summary.json   per run and per method (variant, over seeds): peak and final val acc,
+                       final unique answers per prompt, final batch-mode share, collapse step
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -17,6 +20,7 @@ import pandas as pd
 
 from omgrpo.analysis.figures import TITLES, all_figures
 from omgrpo.analysis.load import (
+    collapse_step,
     config_text,
     find_run_dirs,
     load_rollouts,
@@ -151,7 +155,52 @@ def write_report(
         ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
+    (out_dir / "summary.json").write_text(json.dumps(summarize(df), indent=2) + "\n")
     return path
+
+
+_SUMMARY_FIELDS = {
+    "peak_val_acc": "peak val/acc",
+    "final_val_acc": "final val/acc",
+    "final_unique_per_prompt": "final unique/prompt",
+    "final_batch_mode_share": "final batch-mode share",
+}
+
+
+def _number(value) -> float | None:
+    return None if value is None or pd.isna(value) else round(float(value), 4)
+
+
+def summarize(df: pd.DataFrame) -> dict:
+    """The numbers behind the report's verdicts, for scripts and CI: per run (identity, steps,
+    peak/final val acc, final unique answers per prompt, final batch-mode share, collapse step
+    or null) and per method (`variant`), the same over its seeds as per-seed lists and means."""
+    runs = []
+    if not df.empty:
+        for _, row in run_summary(df).iterrows():
+            part = df[df["run"] == row["run"]]
+            entry = {
+                "run": str(row["run"]),
+                "variant": str(row["variant"]),
+                "seed": None if pd.isna(row["seed"]) else int(row["seed"]),
+                "steps": int(row["steps"]),
+                **{key: _number(row[col]) for key, col in _SUMMARY_FIELDS.items()},
+                "collapse_step": collapse_step(part),
+            }
+            runs.append(entry)
+    methods: dict[str, dict] = {}
+    for entry in runs:
+        m = methods.setdefault(entry["variant"], {"runs": [], "seeds": []})
+        m["runs"].append(entry["run"])
+        m["seeds"].append(entry["seed"])
+        for key in [*_SUMMARY_FIELDS, "collapse_step"]:
+            m.setdefault(key, []).append(entry[key])
+    for m in methods.values():
+        for key in _SUMMARY_FIELDS:
+            values = [v for v in m[key] if v is not None]
+            m[f"{key}_mean"] = round(sum(values) / len(values), 4) if values else None
+        m["collapsed_runs"] = sum(step is not None for step in m["collapse_step"])
+    return {"runs": runs, "methods": methods}
 
 
 def _run_name(run_dir: Path) -> str:
