@@ -282,7 +282,9 @@ def prefix_tree_forward(
     level l share it at every coarser level). A node's tokens are the common token prefix of its
     rows beyond its parent's (every row keeps at least one token of its own); nodes of a level
     are run as one left-padded batch on top of their parents' KV cache, then each row runs its
-    own remaining tokens. With no levels this is the plain left-padded forward.
+    own remaining tokens; identical rows (e.g. pairs of identical solutions, common once a
+    group agrees) are computed once and their cache is copied. With no levels this is the plain
+    left-padded forward.
 
     Returns (logits of each row's last token (R, V), KV cache, attention mask (R, W), next
     position id (R, 1)); the cache holds padding between levels, masked out by the mask.
@@ -293,7 +295,7 @@ def prefix_tree_forward(
     done = [0] * n_rows  # tokens of each row already in the cache
     parent_of = [0] * n_rows  # row -> index of its node in the current cache batch
     logits = None
-    all_levels = [*levels, range(n_rows)]
+    all_levels = [*levels, [tuple(row) for row in rows]]
     for depth, keys in enumerate(all_levels):
         final = depth == len(all_levels) - 1
         node_ids: dict[Hashable, int] = {}
@@ -333,6 +335,10 @@ def prefix_tree_forward(
         for node, rs in enumerate(members):
             for r in rs:
                 done[r], parent_of[r] = ends[node], node
+    if len(members) < n_rows:  # duplicates: one copy of the cache per row for decoding
+        rows_to_nodes = torch.tensor(parent_of, device=device)
+        _select_rows(cache, rows_to_nodes, len(members))
+        mask, logits = mask.index_select(0, rows_to_nodes), logits.index_select(0, rows_to_nodes)
     next_pos = mask.sum(-1, keepdim=True)
     return logits, cache, mask, next_pos
 
@@ -503,7 +509,12 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
         levels = []
         if share_prefix:
             keys = flat[lo:hi]
-            levels = [[0] * len(rows), [k[0] for k in keys], [k[:2] for k in keys]]
+            # system prompt, question, anchor solution (by text: identical solutions share)
+            levels = [
+                [0] * len(rows),
+                [g for g, _, _ in keys],
+                [(g, solutions[g][i]) for g, i, _ in keys],
+            ]
         logits, cache, mask, next_pos = prefix_tree_forward(model, rows, levels, pad)
         generated.extend(_decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg))
         del cache

@@ -194,6 +194,39 @@ def test_prefix_tree_forward_equals_the_plain_forward():
     assert shared_tokens < 0.7 * plain_tokens  # the prefixes are computed once
 
 
+def test_identical_rows_are_computed_once_and_decode_like_the_plain_path():
+    model, tok = _toy(2, seed=3)
+    # a group that agrees: three copies of one solution A and one other B
+    sols = [SOLUTIONS[0], SOLUTIONS[0], SOLUTIONS[3], SOLUTIONS[0]]
+    cfg = CarConfig(temperature=0.0, max_new_tokens=6, max_solution_tokens=60)
+    shared = generate_pair_answers(model, tok, [(QUESTION, sols)], cfg, rng=0)
+    plain = generate_pair_answers_plain(model, tok, [(QUESTION, sols)], cfg, rng=0)
+    assert shared.texts == plain.texts and shared.answers == plain.answers
+    texts = dict(zip(shared.pairs[0], shared.texts[0]))
+    assert texts[(0, 2)] == texts[(1, 2)] == texts[(3, 2)]
+
+    # 12 pair prompts, 3 distinct ((A,A), (A,B), (B,A)): the forward sees only the 3
+    rows = [
+        tok(car_prompt(tok, QUESTION, sols[i], sols[j]), add_special_tokens=False)["input_ids"]
+        for i, j in enumerate_pairs(4)
+    ]
+    distinct = list(dict.fromkeys(map(tuple, rows)))
+    assert len(distinct) == 3
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+    )
+    with torch.no_grad():
+        out, cache, mask, pos = prefix_tree_forward(model, rows, [], tok.pad_token_id)
+        ref, _, _, ref_pos = prefix_tree_forward(model, [list(r) for r in distinct], [], 0)
+    hook.remove()
+    assert seen == [3, 3]
+    index = [distinct.index(tuple(r)) for r in rows]
+    torch.testing.assert_close(out, ref[index])
+    assert pos.squeeze(-1).tolist() == ref_pos[index].squeeze(-1).tolist()
+    assert mask.shape[0] == cache.layers[0].keys.shape[0] == len(rows)
+
+
 class _ScriptedLM(torch.nn.Module):
     """Next token = script[last input token]: '{' -> '4' -> '2' -> '}' -> 'x' -> ... A stand-in
     to test stopping; it ignores the cache."""
