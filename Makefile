@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 		|| $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev,verl]"
 	touch $@
 
 lint: setup

@@ -1,0 +1,36 @@
+"""OM-GRPO on verl: a plugin for an unforked verl, pinned exactly (docs/verl.md).
+
+`import verl` loads the `verl.plugins` entry point `omgrpo` (`omgrpo.backends.verl.plugin`) in
+every process, which registers the trainer `omgrpo` (`trainer.v1.trainer_mode=omgrpo`). The
+pieces, one module each:
+
+| module      | what it changes in verl                                                        |
+|-------------|--------------------------------------------------------------------------------|
+| reward      | `compute_score`: per-sample format score, `pred` (validation maj@N), `acc`     |
+|             | (diagnostic); `group_rewards`: soft vote (+ CAR pool) over the G rollouts       |
+| agent_loop  | agent-loop worker that waits for a prompt's G rollouts, runs CAR on the policy's |
+|             | rollout servers, presets each rollout's reward and records its answer tokens    |
+| advantage   | per-token advantages: w on answer tokens (or the format advantage)             |
+| loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
+| metrics     | omgrpo's diagnostics (answers/*, car/*, reward/*, kl/*) from a step's rollouts |
+| trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
+| config      | the `omgrpo` config section and composing verl's `ppo_trainer` with a preset   |
+| launch      | `omgrpo train backend=verl ...` (`--dry-run` prints the composed config)       |
+
+Nothing here imports verl at package import time, so `omgrpo.backends.verl.config` can explain
+a missing extra instead of failing with an ImportError.
+"""
+
+VERL_VERSION = "0.9.1"
+"""The one verl release this plugin is written and tested against (pinned by `omgrpo[verl]`)."""
+
+ANSWER_MASK_KEY = "omgrpo_answer_mask"
+"""Per-token field (response length, int64) set by the agent loop: 1 on answer-span tokens."""
+
+FORMAT_SCORE_KEY = "omgrpo_format"
+"""Per-rollout field (float32): the format reward, for the format-only advantage."""
+
+RECORD_KEY = "omgrpo"
+"""Key in a rollout's `extra_fields` holding what the driver's diagnostics need."""
+
+__all__ = ["ANSWER_MASK_KEY", "FORMAT_SCORE_KEY", "RECORD_KEY", "VERL_VERSION"]

@@ -1,0 +1,97 @@
+"""Answer-token weighting of verl's GRPO advantages (the Outcome-Masked Update, paper §3.2).
+
+verl's GRPO estimator gives every response token of rollout i the same advantage A_i (per-uid
+mean and unbiased std, eps 1e-6: the same as `omgrpo.losses.group_advantages`). OM-GRPO then
+weights it per token: w on answer-span tokens, 1 elsewhere; in the "format-only" ablation
+answer tokens get the group advantage of the format reward instead. The V1 trainer's advantage
+step reads only uid / response_mask / rm_scores / log-probs / values, so the `omgrpo` trainer
+applies this right after it, on the padded batch (`apply_answer_weighting`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from verl import DataProto
+
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY
+from omgrpo.losses import group_advantages, token_weights
+
+__all__ = ["apply_answer_weighting", "uid_group_ids", "weight_advantages"]
+
+
+def uid_group_ids(uids: Sequence[object]) -> torch.Tensor:
+    """(B,) int64 group id per rollout from verl's per-prompt `uid` strings."""
+    _, inverse = np.unique(np.asarray([str(u) for u in uids], dtype=object), return_inverse=True)
+    return torch.as_tensor(inverse, dtype=torch.int64)
+
+
+def weight_advantages(
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    answer_mask: torch.Tensor,
+    answer_weight: float,
+    format_advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token advantages with the answer span weighted.
+
+    Args:
+        advantages: (B, T) verl advantages (A_i on every response token of rollout i).
+        response_mask: (B, T) valid response tokens.
+        answer_mask: (B, T) answer-span tokens (outside the response they are ignored).
+        answer_weight: w (0 = OM-GRPO, 1 = GRPO).
+        format_advantages: optional (B,) format-reward advantage: answer tokens take it
+            instead of w * A_i ("format-only").
+
+    Returns:
+        (B, T) advantages, 0 outside the response (as verl's).
+    """
+    if advantages.shape != response_mask.shape or answer_mask.shape != advantages.shape:
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)}, response_mask {tuple(response_mask.shape)} "
+            f"and {ANSWER_MASK_KEY} {tuple(answer_mask.shape)} must have the same (B, T) shape"
+        )
+    resp = response_mask.bool()
+    answer = answer_mask.bool() & resp
+    if format_advantages is None:
+        out = advantages * token_weights(answer, answer_weight, dtype=advantages.dtype)
+    else:
+        fmt = format_advantages.to(advantages.dtype).unsqueeze(-1).expand_as(advantages)
+        out = torch.where(answer, fmt, advantages)
+    return out * resp.to(advantages.dtype)
+
+
+def apply_answer_weighting(
+    data: DataProto, answer_weight: float, format_only: bool = False, eps: float = 1e-6
+) -> DataProto:
+    """Weight `data.batch["advantages"]` in place on answer tokens and return `data`.
+
+    Reads `advantages`, `response_mask`, `omgrpo_answer_mask` (B, T) and, for `format_only`,
+    `omgrpo_format` (B,) with `non_tensor_batch["uid"]` (the prompt groups). A row whose answer
+    mask does not match its response (verl's balance-batch padding rows, copied from another
+    rollout) is treated as having no answer tokens, and its mask is zeroed so the loss sees the
+    same thing.
+    """
+    batch = data.batch
+    for key in ("advantages", "response_mask", ANSWER_MASK_KEY):
+        if key not in batch:
+            raise KeyError(
+                f"batch has no '{key}': the omgrpo agent loop records {ANSWER_MASK_KEY} "
+                "(set actor_rollout_ref.rollout.agent.agent_loop_manager_class, see docs/verl.md)"
+            )
+    response_mask = batch["response_mask"]
+    answer_mask = batch[ANSWER_MASK_KEY].to(response_mask.dtype) * response_mask
+    batch[ANSWER_MASK_KEY] = answer_mask
+    format_adv = None
+    if format_only:
+        if FORMAT_SCORE_KEY not in batch:
+            raise KeyError(f"format_only needs the per-rollout '{FORMAT_SCORE_KEY}' field")
+        groups = uid_group_ids(data.non_tensor_batch["uid"])
+        fmt = batch[FORMAT_SCORE_KEY].reshape(-1).to(torch.float32)
+        format_adv = group_advantages(fmt, groups, eps)
+    batch["advantages"] = weight_advantages(
+        batch["advantages"], response_mask, answer_mask, answer_weight, format_adv
+    )
+    return data

@@ -1,0 +1,281 @@
+"""Group-level rewards inside verl's agent loop (soft vote + CAR on the policy's own servers).
+
+verl's reward loop scores rollouts one at a time; OM-GRPO's reward needs all G rollouts of a
+prompt (soft vote) and fresh generations of the *current* policy (CAR's pairwise answers). In
+verl 0.9.1 all G sessions of a prompt run inside one agent-loop worker (`_run_prompt`), and the
+worker holds the client of the policy's rollout servers. `OmgrpoAgentLoopWorker` therefore
+lets each session finish generating, waits until the prompt's G sessions are there, then:
+
+1. runs CAR: for each ordered pair (i, j) the paper's contrast prompt (the rollout's own chat
+   prompt, "Here are two possible solutions: ... \\boxed{") is sent to the rollout servers for
+   a short answer (`omgrpo.car.max_new_tokens`); the servers are awake in the generation stage,
+   so this is the policy being trained;
+2. scores the group (`omgrpo.backends.verl.reward.score_group`): soft vote over the rollouts'
+   answers plus the pair answers, format, ...; records each rollout's answer-token mask;
+3. presets every rollout's `reward_score` (verl then skips its per-sample reward) and hands the
+   rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
+   `omgrpo_format`, which verl stores in TransferQueue next to `response_mask`.
+
+If a session fails, the others of its prompt stop waiting and fail too, so verl's replay buffer
+sees one failed group (as without the plugin). Validation rollouts take verl's path unchanged
+(per-sample `compute_score`). Only single-turn agent loops are supported.
+
+Enabled by `actor_rollout_ref.rollout.agent.agent_loop_manager_class=
+omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager` (set in the presets).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+from uuid import uuid4
+
+import ray
+import torch
+from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
+
+from omgrpo.answers import normalize
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
+from omgrpo.backends.verl.config import section
+from omgrpo.backends.verl.reward import NO_ANSWER, GroupScores, label_of, score_group
+from omgrpo.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, enumerate_pairs, parse_pair_answer
+
+__all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
+
+# Ray forbids subclassing an actor class; verl's own class behind @ray.remote is this one.
+_WorkerBase = AgentLoopWorkerTQ.__ray_metadata__.modified_class
+
+
+def car_prompt_ids(
+    tokenizer: Any,
+    prompt_ids: list[int],
+    solution_1: list[int],
+    solution_2: list[int],
+    max_solution_tokens: int,
+    max_len: int,
+    max_new_tokens: int,
+) -> tuple[list[int], int]:
+    """Token ids of the paper's CAR prompt for one ordered pair, and how many solutions were cut.
+
+    The rollout's own prompt (chat template, question, open assistant turn) is followed by
+    "Here are two possible solutions: [Solution 1] ... [Solution 2] ... the correct final answer
+    is \\boxed{" (`omgrpo.car`'s template). Each solution (generated ids, special tokens dropped)
+    is cut to its first `max_solution_tokens` tokens (<= 0: whole), and further so that the
+    prompt plus `max_new_tokens` fits in `max_len` (vLLM rejects longer prompts).
+    """
+    special = set(tokenizer.all_special_ids)
+    sols = [[t for t in s if t not in special] for s in (solution_1, solution_2)]
+    template = len(tokenizer.encode(CAR_INTRO + CAR_MIDDLE + CAR_OUTRO, add_special_tokens=False))
+    room = (max_len - len(prompt_ids) - template - max_new_tokens) // 2
+    if room < 1:
+        raise ValueError(
+            f"CAR prompt does not fit: prompt {len(prompt_ids)} + template {template} + "
+            f"omgrpo.car.max_new_tokens {max_new_tokens} tokens exceed the rollout's max_model_len "
+            f"{max_len}; raise actor_rollout_ref.rollout.max_model_len"
+        )
+    limit = room if max_solution_tokens <= 0 else min(room, max_solution_tokens)
+    cut = sum(len(s) > limit for s in sols)
+    texts = [tokenizer.decode(s[:limit], skip_special_tokens=True) for s in sols]
+    tail = CAR_INTRO + texts[0] + CAR_MIDDLE + texts[1] + CAR_OUTRO
+    return list(prompt_ids) + tokenizer.encode(tail, add_special_tokens=False), cut
+
+
+class _Group:
+    """The sessions of one prompt, waiting for each other to be scored together."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.outputs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self.fields: dict[int, dict[str, torch.Tensor]] = {}
+        self.done = asyncio.Event()
+        self.error: BaseException | None = None
+
+    def add(self, session_id: int, output: Any, kwargs: dict[str, Any]) -> bool:
+        """Register a finished session; True for the session that completes the group."""
+        self.outputs[int(session_id)] = (output, kwargs)
+        return len(self.outputs) == self.n
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.done.set()
+
+    async def wait(self) -> None:
+        await self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"another rollout of this prompt failed: {self.error!r}")
+
+
+class OmgrpoAgentLoopWorker(_WorkerBase):
+    """verl's TransferQueue agent-loop worker with OM-GRPO's group rewards (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.omgrpo = section(self.config)
+        self._groups: dict[str, _Group] = {}
+
+    async def _run_prompt(
+        self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False
+    ) -> None:
+        if trajectory["validate"]:
+            return await super()._run_prompt(prompt, sampling_params, trajectory, trace)
+        n = int(prompt.get("__rollout_n__", self.config.actor_rollout_ref.rollout.n))
+        uid = prompt["uid"]
+        self._groups[uid] = _Group(n)
+        try:
+            await super()._run_prompt(prompt, sampling_params, trajectory, trace)
+        finally:
+            self._groups.pop(uid, None)
+
+    async def _run_agent_loop(self, sampling_params: dict, trajectory: dict, **kwargs: Any) -> Any:
+        try:
+            return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)
+        except BaseException as exc:
+            group = self._groups.get(kwargs.get("uid"))
+            if group is not None:  # release the sessions waiting for this one
+                group.fail(exc)
+            raise
+
+    async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
+        group = None if validate else self._groups.get(kwargs["uid"])
+        if group is None:
+            return await super()._agent_loop_postprocess(output, validate, **kwargs)
+        outputs = output if isinstance(output, list) else [output]
+        if len(outputs) != 1:
+            raise NotImplementedError(
+                "omgrpo's verl backend supports single-turn agent loops (one output per session)"
+            )
+        session = int(kwargs["session_id"])
+        if group.add(session, outputs[0], kwargs):
+            try:
+                await self._score_group(group)
+            except BaseException as exc:
+                group.fail(exc)
+                raise
+            group.done.set()
+        await group.wait()
+        # Extra kwargs become TransferQueue fields of this rollout (verl: field.update(kwargs)).
+        return await super()._agent_loop_postprocess(
+            output, validate, **kwargs, **group.fields[session]
+        )
+
+    # ------------------------------------------------------------------------------------
+    def _max_model_len(self) -> int:
+        cfg = self.rollout_config
+        return int(cfg.max_model_len or (cfg.prompt_length + cfg.response_length))
+
+    async def _pair_answers(
+        self, prompt_ids: list[int], responses: list[list[int]], seed: str
+    ) -> dict[str, Any]:
+        """CAR's pair answers of one group from the policy's rollout servers."""
+        car = self.omgrpo.car
+        pairs = enumerate_pairs(len(responses), car.pairs_per_anchor, random.Random(seed))
+        max_len = self._max_model_len()
+        prompts = [
+            car_prompt_ids(
+                self.tokenizer,
+                prompt_ids,
+                responses[i],
+                responses[j],
+                int(car.max_solution_tokens),
+                max_len,
+                int(car.max_new_tokens),
+            )[0]
+            for i, j in pairs
+        ]
+        # `car/truncated` counts each cut solution once per step, as the native CAR does.
+        special = set(self.tokenizer.all_special_ids)
+        limit = int(car.max_solution_tokens)
+        truncated = sum(0 < limit < len([t for t in r if t not in special]) for r in responses)
+        params = {
+            "max_tokens": int(car.max_new_tokens),
+            "temperature": float(car.temperature),
+            "top_p": float(car.top_p),
+        }
+
+        async def one(ids: list[int]) -> str | None:
+            out = await self.llm_client.generate(
+                uuid4().hex, prompt_ids=ids, sampling_params=dict(params)
+            )
+            return parse_pair_answer(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+
+        start = time.time()
+        answers = await asyncio.gather(*(one(ids) for ids in prompts))
+        return {
+            "pairs": [list(p) for p in pairs],
+            "answers": list(answers),
+            "truncated": truncated,
+            "unclosed": sum(a is None for a in answers),
+            "start": start,
+            "end": time.time(),
+        }
+
+    async def _score_group(self, group: _Group) -> None:
+        sessions = sorted(group.outputs)
+        outputs = [group.outputs[s][0] for s in sessions]
+        kwargs0 = group.outputs[sessions[0]][1]
+        label = label_of((kwargs0.get("reward_model") or {}).get("ground_truth"))
+        responses = [list(o.response_ids) for o in outputs]
+        om = self.omgrpo
+
+        car = None
+        if om.car.enable:
+            seed = f"{kwargs0.get('global_steps')}-{kwargs0['uid']}"
+            car = await self._pair_answers(list(outputs[0].prompt_ids), responses, seed)
+        scores: GroupScores = await asyncio.to_thread(
+            score_group,
+            self.tokenizer,
+            responses,
+            label,
+            list(om.reward.parts),
+            dict(om.reward.weights),
+            car["answers"] if car else None,
+        )
+        prompt_id = (
+            f"{kwargs0.get('data_source', '')}/{_plain(kwargs0.get('index', kwargs0['uid']))}"
+        )
+        for k, (session, output) in enumerate(zip(sessions, outputs)):
+            answer, correct = scores.answers[k], scores.correct[k]
+            output.reward_score = scores.rewards[k]
+            output.extra_fields["reward_extra_info"] = {
+                "score": scores.rewards[k],
+                **{part: values[k] for part, values in scores.parts.items()},
+                "acc": float(bool(correct)),
+                "pred": normalize(answer) if answer is not None else NO_ANSWER,
+            }
+            record: dict[str, Any] = {
+                "answer": answer,
+                "correct": correct,
+                "label": label,
+                "prompt_id": prompt_id,
+                "session": k,
+                "rewards": {part: values[k] for part, values in scores.parts.items()},
+            }
+            if car is not None:
+                mine = [(p, a) for p, a in zip(car["pairs"], car["answers"]) if p[0] == k]
+                record["car"] = {
+                    "pairs": [p for p, _ in mine],
+                    "answers": [a for _, a in mine],
+                    **{key: car[key] for key in ("truncated", "unclosed", "start", "end")},
+                }
+            output.extra_fields[RECORD_KEY] = record
+            group.fields[session] = {
+                ANSWER_MASK_KEY: scores.answer_masks[k],
+                # The format reward (paper §3.1), for the format-only advantage.
+                FORMAT_SCORE_KEY: torch.tensor(float(answer is not None), dtype=torch.float32),
+            }
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars (verl's non-tensor batch) as Python values."""
+    return value.item() if hasattr(value, "item") else value
+
+
+class OmgrpoAgentLoopManager(AgentLoopManagerTQ):
+    """verl's TransferQueue agent-loop manager, spawning `OmgrpoAgentLoopWorker`s."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.agent_loop_workers_class = ray.remote(OmgrpoAgentLoopWorker)

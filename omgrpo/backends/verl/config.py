@@ -1,0 +1,182 @@
+"""The `omgrpo` section of a verl config, and composing verl's `ppo_trainer` with a preset.
+
+A verl preset (`experiments/verl/<name>.yaml`) is verl's own `ppo_trainer` config (found through
+`hydra.searchpath: pkg://verl.trainer.config`) with the paper's hyperparameters, plus a new
+top-level `omgrpo` section: verl's dataclass-backed sections reject unknown keys, a new top-level
+section is left alone. The section's schema is `OmgrpoVerlConfig`; a method preset from
+`experiments/method/` (the same files the native trainer uses) is merged into it, so
+`method=om_grpo_w050` works for both backends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from omgrpo.car import CarConfig
+from omgrpo.config import EXPERIMENTS_DIR, CollapseConfig, RewardConfig
+
+VERL_PRESETS_DIR = EXPERIMENTS_DIR / "verl"
+
+SUPPORTED_REWARDS: tuple[str, ...] = ("soft_vote", "format", "majority_vote", "gt")
+"""Reward parts the verl backend computes inside the agent loop. self_certainty / entropy need
+the policy's full token distributions and coreward a paraphrase group: native trainer only."""
+
+REQUIRED_KEYS: dict[str, str] = {
+    "actor_rollout_ref.model.path": "/models/Qwen3-1.7B-Base",
+    "data.train_files": "data/math_train.parquet",
+    "data.val_files": "data/math500.parquet",
+}
+"""Keys a launch needs (with an example value); presets leave them null."""
+
+
+@dataclass
+class VerlRunSection:
+    experiment: str = "paper"
+    """Experiment name (the verl preset); with `variant` it makes trainer.experiment_name."""
+    variant: str = "om_grpo"
+    """Method or ablation (set by the method preset)."""
+
+
+@dataclass
+class VerlAlgorithmSection:
+    answer_weight: float = 0.0
+    """w: weight of answer-span tokens in the PG advantage and the KL term (0 = OM-GRPO)."""
+    format_only: bool = False
+    """Answer tokens get the advantage of the format reward alone (ablation)."""
+    adv_eps: float = 1e-6
+    """delta of the format-only group advantage (verl's GRPO uses 1e-6 too)."""
+
+
+@dataclass
+class VerlRolloutSection:
+    n: int = 8
+    """G: rollouts per prompt; the presets set actor_rollout_ref.rollout.n to this."""
+
+
+@dataclass
+class OmgrpoVerlConfig:
+    """The `omgrpo` section of a verl config (method presets use the native trainer's keys)."""
+
+    method: str = "om_grpo"
+    """Name of the method preset merged into this section."""
+    run: VerlRunSection = field(default_factory=VerlRunSection)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: VerlAlgorithmSection = field(default_factory=VerlAlgorithmSection)
+    rollout: VerlRolloutSection = field(default_factory=VerlRolloutSection)
+    car: CarConfig = field(default_factory=CarConfig)
+    collapse: CollapseConfig = field(default_factory=CollapseConfig)
+
+
+SCHEMA_NAME = "omgrpo_verl_schema"
+AGENT_LOOP_MANAGER = "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
+
+
+def register_schema() -> None:
+    """Store the section's schema for the presets' defaults list (`/omgrpo_verl_schema@omgrpo`)."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=OmgrpoVerlConfig)
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in VERL_PRESETS_DIR.glob("paper*.yaml") if p.stem != "paper")
+
+
+def _require_verl() -> None:
+    if importlib.util.find_spec("verl") is None:
+        raise ModuleNotFoundError(
+            "backend=verl needs verl: install the extra with `pip install 'omgrpo[verl]'` "
+            "(after torch, so pip does not pull another torch build)"
+        )
+
+
+def _translate(overrides: list[str]) -> list[str]:
+    """`method=X` picks the method preset merged into the `omgrpo` section (Hydra spells that
+    default `method@omgrpo`)."""
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        out.append(f"method@omgrpo={value}" if sep and key == "method" else item)
+    return out
+
+
+def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictConfig:
+    """verl's `ppo_trainer` config composed with `experiments/verl/<experiment>.yaml`, the
+    method preset and `overrides` (Hydra syntax; `method=X` selects a method preset), checked
+    by `validate_section`. Does not start Ray and does not import verl's trainer."""
+    from hydra import compose, initialize_config_dir
+
+    _require_verl()
+    preset = VERL_PRESETS_DIR / f"{experiment}.yaml"
+    if not preset.is_file() or experiment not in available_presets():
+        raise FileNotFoundError(
+            f"no verl preset '{experiment}' ({preset}); available: {', '.join(available_presets())}"
+        )
+    register_schema()
+    with initialize_config_dir(version_base="1.3", config_dir=str(EXPERIMENTS_DIR)):
+        cfg = compose(config_name=f"verl/{experiment}", overrides=_translate(list(overrides or [])))
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    validate_section(cfg)
+    return cfg
+
+
+def section(cfg: DictConfig) -> DictConfig:
+    """The `omgrpo` section of a full verl config, with a clear error if it is absent."""
+    node = cfg.get("omgrpo")
+    if node is None:
+        raise KeyError(
+            "the verl config has no `omgrpo` section: compose it with an experiments/verl preset "
+            "(omgrpo train backend=verl experiment=...)"
+        )
+    return node
+
+
+def validate_section(cfg: DictConfig) -> None:
+    """Fail fast on values the verl backend cannot run, naming the key and the valid options."""
+    om = section(cfg)
+    unsupported = [p for p in om.reward.parts if p not in SUPPORTED_REWARDS]
+    if unsupported:
+        raise ValueError(
+            f"omgrpo.reward.parts: {unsupported} not supported by the verl backend "
+            f"(supported: {', '.join(SUPPORTED_REWARDS)}); use the native trainer for them"
+        )
+    w = float(om.algorithm.answer_weight)
+    if not 0.0 <= w <= 1.0:
+        raise ValueError(f"omgrpo.algorithm.answer_weight must be in [0, 1], got {w}")
+    if int(om.rollout.n) < 2:
+        raise ValueError(f"omgrpo.rollout.n (G) must be at least 2, got {om.rollout.n}")
+    mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
+    if mode != "omgrpo":
+        raise ValueError(f"trainer.v1.trainer_mode must be 'omgrpo' for OM-GRPO, got {mode!r}")
+    manager = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class")
+    if manager != AGENT_LOOP_MANAGER:
+        raise ValueError(
+            "actor_rollout_ref.rollout.agent.agent_loop_manager_class must be "
+            f"{AGENT_LOOP_MANAGER} (group rewards and answer spans), got {manager!r}"
+        )
+    if OmegaConf.select(cfg, "algorithm.adv_estimator") != "grpo":
+        raise ValueError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
+
+
+def missing_keys(cfg: DictConfig) -> list[str]:
+    """Required keys (REQUIRED_KEYS) still null or missing."""
+    out = []
+    for key in REQUIRED_KEYS:
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        if node is None or OmegaConf.is_missing(node, leaf) or node.get(leaf) in (None, ""):
+            out.append(key)
+    return out
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    """The resolved config as YAML (null required keys stay null)."""
+    return OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
+
+
+def preset_path(experiment: str) -> Path:
+    return VERL_PRESETS_DIR / f"{experiment}.yaml"

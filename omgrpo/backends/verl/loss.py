@@ -1,0 +1,149 @@
+"""Replacement of verl 0.9.1's actor loss (`verl.workers.utils.losses.ppo_loss`) with the KL
+term weighted on answer tokens (the paper's masked objective, appendix eq. "masked objective").
+
+verl computes the KL loss inside `ppo_loss` with the same `response_mask` as the PG term, so
+masking it needs a replacement of the function; the `omgrpo` trainer installs
+`partial(omgrpo_ppo_loss, config=<actor config>, answer_weight=w)` on the actor workers with
+`actor_rollout_wg.set_loss_fn` (as verl itself installs the critic's loss from the driver).
+
+The PG term needs no change: the trainer has already multiplied the per-token advantage by w on
+answer tokens (or replaced it by the format advantage), and scaling A by w >= 0 scales the
+clipped surrogate by exactly w. The KL term becomes ``agg(k3 * m)`` with ``m = w`` on answer
+tokens and 1 elsewhere, aggregated over the full response mask: the denominator is unchanged,
+so reasoning-token gradients do not depend on w. Everything else is verl's `ppo_loss` line for
+line (same building blocks, same metrics), which a test checks: with nothing masked the two
+losses are equal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.utils.padding import no_padding_2_padding
+
+from omgrpo.backends.verl import ANSWER_MASK_KEY
+from omgrpo.losses import masked_mean, token_weights
+
+__all__ = ["omgrpo_ppo_loss"]
+
+
+def omgrpo_ppo_loss(
+    config: Any,
+    model_output: dict[str, torch.Tensor],
+    data: TensorDict,
+    dp_group: Any = None,
+    *,
+    answer_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's `ppo_loss` with the KL term weighted by `answer_weight` on answer tokens.
+
+    Args:
+        config: the actor's `ActorConfig` (verl binds it with `functools.partial`).
+        model_output: `log_probs` (and `entropy`) of the micro-batch, no-padding layout.
+        data: the micro-batch; reads `response_mask`, `old_log_probs`, `advantages`,
+            `ref_log_prob`, optional `rollout_is_weights` and `omgrpo_answer_mask` (jagged,
+            response length; absent = no answer tokens, i.e. verl's loss exactly).
+        dp_group: unused (verl's signature).
+        answer_weight: w, the KL weight of answer tokens (0 = OM-GRPO).
+
+    Returns:
+        ``(loss, metrics)`` as verl's `ppo_loss`, plus `kl/answer`, `kl/reasoning` (mean
+        unweighted KL per token of each kind) when the KL loss is on, and `entropy/answer`,
+        `entropy/reasoning` when the entropy is computed; the trainer logs them under these
+        names (verl prefixes `actor/`).
+    """
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy")
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+
+    config.global_batch_info["dp_size"] = data["dp_size"]
+    config.global_batch_info["batch_num_tokens"] = data["batch_num_tokens"]
+    config.global_batch_info["global_batch_size"] = data["global_batch_size"]
+    config.global_batch_info["loss_scale_factor"] = config.loss_scale_factor
+
+    # As verl: normalised over the global batch -> partial sums per micro-batch -> SUM.
+    if (
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    ):
+        metric_aggregation = AggregationType.SUM
+    else:
+        metric_aggregation = AggregationType.MEAN
+
+    metrics: dict[str, Any] = {}
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    for optional in ("rollout_is_weights", "ref_log_prob", ANSWER_MASK_KEY):
+        if optional in data:
+            fields.append(optional)
+    data = data.select(*fields).to_padded_tensor()
+
+    response_mask = data["response_mask"].to(bool)
+    if ANSWER_MASK_KEY in data:
+        answer = data[ANSWER_MASK_KEY].to(bool) & response_mask
+    else:
+        answer = torch.zeros_like(response_mask)
+    loss_agg_mode = config.loss_agg_mode
+
+    policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    pg_loss, pg_metrics = policy_loss_fn(
+        old_log_prob=data["old_log_probs"],
+        log_prob=log_prob,
+        advantages=data["advantages"],
+        response_mask=response_mask,
+        loss_agg_mode=loss_agg_mode,
+        config=config,
+        rollout_is_weights=data.get("rollout_is_weights", None),
+    )
+    metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
+    policy_loss = pg_loss
+
+    reasoning = response_mask & ~answer
+    if entropy is not None:
+        entropy_loss = agg_loss(
+            loss_mat=entropy,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **config.global_batch_info,
+        )
+        policy_loss -= config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
+        with torch.no_grad():
+            metrics["entropy/answer"] = _mean_metric(entropy, answer)
+            metrics["entropy/reasoning"] = _mean_metric(entropy, reasoning)
+
+    if config.use_kl_loss:
+        kld = kl_penalty(
+            logprob=log_prob, ref_logprob=data["ref_log_prob"], kl_penalty=config.kl_loss_type
+        )
+        # The one change to verl: per-token KL weights, w on answer tokens, 1 elsewhere.
+        weights = token_weights(answer, answer_weight, dtype=kld.dtype)
+        kl_loss = agg_loss(
+            loss_mat=kld * weights,
+            loss_mask=response_mask,
+            loss_agg_mode=loss_agg_mode,
+            **config.global_batch_info,
+        )
+        policy_loss += kl_loss * config.kl_loss_coef
+        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
+        metrics["kl_coef"] = config.kl_loss_coef
+        with torch.no_grad():
+            metrics["kl/answer"] = _mean_metric(kld, answer)
+            metrics["kl/reasoning"] = _mean_metric(kld, reasoning)
+
+    return policy_loss, metrics
+
+
+def _mean_metric(values: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """Mean over the masked tokens of the micro-batch (0 when none), averaged over
+    micro-batches and ranks like verl's other per-token diagnostics."""
+    return Metric(
+        value=masked_mean(values.detach().float(), mask).item(), aggregation=AggregationType.MEAN
+    )

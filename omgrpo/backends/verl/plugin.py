@@ -1,0 +1,35 @@
+"""verl plugin entry point (`[project.entry-points."verl.plugins"] omgrpo = ...`).
+
+`import verl` loads every `verl.plugins` entry point in every process (driver, TaskRunner,
+workers), so importing this module is what registers OM-GRPO with verl: the `omgrpo` trainer
+(`trainer.v1.trainer_mode=omgrpo`). verl logs a failing plugin only at DEBUG level and carries
+on, so a wrong verl version fails here with a message, and `omgrpo train backend=verl` imports
+this module itself before launching so that any error surfaces.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+from omgrpo.backends.verl import VERL_VERSION
+
+_installed = version("verl")
+if _installed != VERL_VERSION:
+    raise ImportError(
+        f"omgrpo's verl plugin is written for verl=={VERL_VERSION}, found verl {_installed}: "
+        f"install the pinned version with `pip install 'omgrpo[verl]'` (docs/verl.md, pin policy)"
+    )
+
+from omgrpo.backends.verl.trainer import TRAINER_NAME, OmgrpoTrainer  # noqa: E402  (registers)
+
+__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "is_registered"]
+
+
+def is_registered() -> bool:
+    """Whether verl's trainer registry maps `omgrpo` to this plugin's trainer."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    try:
+        return get_trainer_cls(TRAINER_NAME) is OmgrpoTrainer
+    except ValueError:
+        return False
