@@ -18,6 +18,9 @@ commands:
                            omgrpo train experiment=paper model.path=/models/Qwen3-1.7B-Base \\
                              task.train_path=math_train.jsonl task.val_path=math500.jsonl
                            omgrpo train --cfg job      (print the composed config)
+                           omgrpo train backend=verl experiment=paper_qwen3_1p7b --dry-run
+                             (verl backend, docs/verl.md; --dry-run prints verl's composed
+                             config without starting Ray)
   sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
                          replay a run's local store (config, metrics, rollouts) into a tracker,
                          e.g. after its backend failed during training
@@ -59,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(overrides: list[str]) -> int:
+    backends = [o.partition("=")[2] for o in overrides if o.startswith("backend=")]
+    backend = backends[-1] if backends else "native"
+    if backend == "verl":
+        from omgrpo.backends.verl.launch import main as verl_main
+
+        return verl_main(overrides)
+    if backend != "native":
+        print(f"omgrpo train: unknown backend '{backend}' (native, verl)", file=sys.stderr)
+        return 2
+    # `backend` selects the trainer; it is not a key of the native config.
+    overrides = [o for o in overrides if not o.startswith("backend=")]
+
     import hydra
     from omegaconf import DictConfig
 

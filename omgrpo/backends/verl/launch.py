@@ -1,0 +1,100 @@
+"""`omgrpo train backend=verl experiment=<preset> [overrides...] [--dry-run]`.
+
+Composes verl's `ppo_trainer` config with `experiments/verl/<preset>.yaml` (and the method preset
+named by `method=...`), checks it with verl's own `validate_config`, then either prints it
+(`--dry-run`: no Ray, no GPU, runs on a laptop) or launches verl's `run_ppo` with verl's V1
+TaskRunner, exactly as `python -m verl.trainer.main_ppo` would after composing.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig
+
+from omgrpo.backends.verl.config import (
+    REQUIRED_KEYS,
+    available_presets,
+    compose_verl,
+    missing_keys,
+    to_yaml,
+)
+
+USAGE = """usage: omgrpo train backend=verl experiment=<preset> [overrides...] [--dry-run]
+
+presets (experiments/verl/): {presets}
+overrides: verl keys (data.train_files=..., trainer.n_gpus_per_node=4, ...), omgrpo.* keys
+  (omgrpo.algorithm.answer_weight=0.25, omgrpo.car.enable=false, ...) and method=<method preset>
+--dry-run: print the composed config (resolved YAML) and exit without starting Ray
+"""
+
+
+def parse(args: list[str]) -> tuple[str | None, list[str], bool, bool]:
+    """(experiment, overrides, dry_run, help) from `omgrpo train` arguments."""
+    experiment, overrides, dry_run, want_help = None, [], False, False
+    for arg in args:
+        if arg in {"--dry-run", "--dry_run"}:
+            dry_run = True
+        elif arg in {"-h", "--help"}:
+            want_help = True
+        elif arg.startswith("backend="):
+            continue
+        elif arg.startswith("experiment="):
+            experiment = arg.partition("=")[2]
+        else:
+            overrides.append(arg)
+    return experiment, overrides, dry_run, want_help
+
+
+def check_verl(cfg: DictConfig) -> None:
+    """verl's own config validation (the checks `verl.trainer.main_ppo.main` runs)."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(
+        config=cfg,
+        use_reference_policy=need_reference_policy(cfg),
+        use_critic=need_critic(cfg),
+    )
+
+
+def launch(cfg: DictConfig) -> None:
+    """Start verl's V1 training run (Ray) with `cfg`."""
+    # Import the plugin here so that a broken install fails with its message (verl would log it
+    # at DEBUG and then not know the `omgrpo` trainer).
+    import omgrpo.backends.verl.plugin  # noqa: F401
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.utils.device import auto_set_device
+
+    auto_set_device(cfg)
+    check_verl(cfg)
+    run_ppo(cfg, task_runner_class=TaskRunnerV1)
+
+
+def main(args: list[str]) -> int:
+    experiment, overrides, dry_run, want_help = parse(args)
+    if want_help or experiment is None:
+        print(USAGE.format(presets=", ".join(available_presets())))
+        if experiment is None and not want_help:
+            print("omgrpo train backend=verl: name a preset with experiment=...", file=sys.stderr)
+            return 2
+        return 0
+    cfg = compose_verl(experiment, overrides)
+    missing = missing_keys(cfg)
+    if dry_run:
+        print(to_yaml(cfg), end="")
+        if not missing:
+            check_verl(cfg)
+        print(f"# omgrpo: composed verl config of experiments/verl/{experiment}.yaml (dry run)")
+        if missing:
+            print("# to launch, also set: " + " ".join(f"{k}={REQUIRED_KEYS[k]}" for k in missing))
+        return 0
+    if missing:
+        print(
+            "omgrpo train backend=verl: set "
+            + ", ".join(f"{k} (e.g. {k}={REQUIRED_KEYS[k]})" for k in missing),
+            file=sys.stderr,
+        )
+        return 2
+    launch(cfg)
+    return 0
