@@ -1,0 +1,222 @@
+"""The verl backend's reward pieces on a hand-built group (CPU, real verl classes, no Ray).
+
+The agent-loop worker is driven directly: its rollout-server client is a fake that answers
+CAR prompts with the second solution's answer, and verl's own TransferQueue post-processing is
+replaced by a recorder, so the test sees exactly the rewards, answer masks and extra fields the
+worker hands to verl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from verl.experimental.agent_loop import AgentLoopOutput
+from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
+from verl.workers.rollout.replica import TokenOutput
+
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
+from omgrpo.backends.verl import agent_loop as al
+from omgrpo.backends.verl.config import OmgrpoVerlConfig
+from omgrpo.backends.verl.metrics import step_metrics
+from omgrpo.backends.verl.reward import NO_ANSWER, compute_score, score_group
+from omgrpo.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO
+from omgrpo.models.tokenizer import build_char_tokenizer
+
+PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+RESPONSES = ["2+2=4 so \\boxed{4}", "two and two: \\boxed{4}", "I think \\boxed{5}"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def ids(tok, text: str, eos: bool = True) -> list[int]:
+    return tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if eos else [])
+
+
+def test_compute_score_is_label_free_with_pred_and_acc():
+    out = compute_score("math", "so \\boxed{\\frac{1}{2}}", ground_truth="0.5")
+    assert out == {"score": 1.0, "format": 1.0, "acc": 1.0, "pred": "\\frac{1}{2}"}
+    wrong = compute_score("math", "\\boxed{3}", ground_truth="4")
+    assert wrong["score"] == 1.0 and wrong["acc"] == 0.0  # the score never reads the label
+    none = compute_score("math", "no box here", ground_truth=4)
+    assert none == {"score": 0.0, "format": 0.0, "acc": 0.0, "pred": NO_ANSWER}
+    assert compute_score("math", "\\boxed{4}", ground_truth=None)["acc"] == 0.0
+
+
+def test_score_group_soft_vote_with_pool_and_answer_masks(tok):
+    responses = [ids(tok, r) for r in RESPONSES] + [ids(tok, "no answer")]
+    scores = score_group(tok, responses, "4", ["soft_vote", "format"], pool=["5", "4", None])
+    # voters: 4, 4, 5 (rollouts) + 5, 4 (pool; None casts no vote) -> "4": 3/5, "5": 2/5
+    assert scores.parts["soft_vote"] == pytest.approx([0.6, 0.6, 0.4, 0.0])
+    assert scores.parts["format"] == [1.0, 1.0, 1.0, 0.0]
+    assert scores.rewards == pytest.approx([1.6, 1.6, 1.4, 0.0])
+    assert scores.answers == ["4", "4", "5", None]
+    assert scores.correct == [True, True, False, False]
+    for text, mask, response in zip(RESPONSES, scores.answer_masks, responses):
+        assert mask.dtype == torch.int64 and mask.shape == (len(response),)
+        # one token per character: only the answer inside \boxed{...} is marked
+        assert mask.nonzero().flatten().tolist() == [text.rindex("{") + 1]
+    assert scores.answer_masks[3].sum() == 0
+
+
+def test_car_prompt_ids_paper_template_and_budget(tok):
+    prompt = ids(tok, PROMPT, eos=False)
+    s1, s2 = ids(tok, "A" * 30), ids(tok, "B" * 5)
+    out, cut = al.car_prompt_ids(tok, prompt, s1, s2, 10, max_len=4096, max_new_tokens=8)
+    assert out[: len(prompt)] == prompt and cut == 1
+    text = tok.decode(out[len(prompt) :])
+    assert text == CAR_INTRO + "A" * 10 + CAR_MIDDLE + "B" * 5 + CAR_OUTRO
+    # A short context cuts the solutions further so prompt + answer fit.
+    template = len(CAR_INTRO + CAR_MIDDLE + CAR_OUTRO)
+    max_len = len(prompt) + template + 8 + 2 * 4
+    out, cut = al.car_prompt_ids(tok, prompt, s1, s2, 0, max_len=max_len, max_new_tokens=8)
+    assert len(out) + 8 <= max_len and cut == 2
+    with pytest.raises(ValueError, match="max_model_len"):
+        al.car_prompt_ids(tok, prompt, s1, s2, 10, max_len=len(prompt) + 5, max_new_tokens=8)
+
+
+class FakeServers:
+    """The policy's rollout servers: a CAR prompt is answered with solution 2's answer."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+
+    async def generate(self, request_id, *, prompt_ids, sampling_params):
+        self.calls.append(sampling_params)
+        text = self.tok.decode(prompt_ids)
+        second = text[text.rindex(CAR_MIDDLE) : text.rindex(CAR_OUTRO)]
+        answer = second[second.rindex("{") + 1 : second.rindex("}")] if "{" in second else "7"
+        return TokenOutput(token_ids=self.tok.encode(answer + "} done", add_special_tokens=False))
+
+
+def make_worker(tok, monkeypatch, car: bool = True):
+    """The omgrpo agent-loop worker without Ray; verl's post-processing records its inputs."""
+    section = OmegaConf.structured(OmgrpoVerlConfig)
+    section.car.enable = car
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 3}}})
+    config.omgrpo = section
+    worker = al.OmgrpoAgentLoopWorker.__new__(al.OmgrpoAgentLoopWorker)
+    worker.config, worker.tokenizer, worker.omgrpo, worker._groups = config, tok, section, {}
+    worker.llm_client = FakeServers(tok)
+    worker.rollout_config = SimpleNamespace(max_model_len=None, prompt_length=512, response_length=512)
+    handed = {}
+
+    async def verl_postprocess(self, output, validate, **kwargs):
+        handed[kwargs["session_id"]] = (output, kwargs)
+        return output
+
+    monkeypatch.setattr(al._WorkerBase, "_agent_loop_postprocess", verl_postprocess)
+    return worker, handed
+
+
+def rollout(tok, text: str) -> AgentLoopOutput:
+    response = ids(tok, text)
+    return AgentLoopOutput(
+        prompt_ids=ids(tok, PROMPT, eos=False),
+        response_ids=response,
+        response_mask=[1] * len(response),
+        metrics=AgentLoopMetrics(),
+    )
+
+
+async def run_group(worker, tok, texts, uid="u0"):
+    worker._groups[uid] = al._Group(len(texts))
+    common = {"uid": uid, "reward_model": {"ground_truth": "4"}, "data_source": "toy", "index": 7}
+    outs = [rollout(tok, t) for t in texts]
+    await asyncio.gather(
+        *(
+            worker._agent_loop_postprocess(o, False, session_id=i, global_steps=1, **common)
+            for i, o in enumerate(outs)
+        )
+    )
+    return outs
+
+
+def test_agent_loop_group_rewards_with_car(tok, monkeypatch):
+    worker, handed = make_worker(tok, monkeypatch)
+    outs = asyncio.run(run_group(worker, tok, RESPONSES))
+    # 3 x 2 ordered pairs; each answered with solution 2's answer: 4 5 4 5 4 4
+    assert len(worker.llm_client.calls) == 6
+    assert worker.llm_client.calls[0]["max_tokens"] == 8
+    # pool: 3 rollouts (4, 4, 5) + pair answers (4 x "4", 2 x "5") -> "4": 6/9, "5": 3/9
+    soft = [6 / 9, 6 / 9, 3 / 9]
+    assert [o.reward_score for o in outs] == pytest.approx([s + 1.0 for s in soft])
+    for i, (out, text) in enumerate(zip(outs, RESPONSES)):
+        info = out.extra_fields["reward_extra_info"]
+        assert info["soft_vote"] == pytest.approx(soft[i]) and info["format"] == 1.0
+        assert info["acc"] == float(i < 2) and info["pred"] == ("4" if i < 2 else "5")
+        record = out.extra_fields[RECORD_KEY]
+        assert record["answer"] == ("4" if i < 2 else "5") and record["prompt_id"] == "toy/7"
+        assert [tuple(p) for p in record["car"]["pairs"]] == [(i, j) for j in range(3) if j != i]
+        # verl's post-processing got the rollout plus the two fields it stores per rollout
+        handed_out, kwargs = handed[i]
+        assert handed_out is out
+        mask = kwargs[ANSWER_MASK_KEY]
+        assert mask.shape == (len(out.response_ids),)
+        assert mask.nonzero().flatten().tolist() == [text.rindex("{") + 1]
+        assert kwargs[FORMAT_SCORE_KEY].item() == 1.0
+
+
+def test_agent_loop_without_car_and_metrics(tok, monkeypatch):
+    worker, _ = make_worker(tok, monkeypatch, car=False)
+    outs = asyncio.run(run_group(worker, tok, RESPONSES))
+    assert not worker.llm_client.calls
+    assert [o.reward_score for o in outs] == pytest.approx([2 / 3 + 1, 2 / 3 + 1, 1 / 3 + 1])
+    m = step_metrics(
+        ["u0"] * 3,
+        [o.extra_fields[RECORD_KEY] for o in outs],
+        [o.reward_score for o in outs],
+        confident_share=0.75,
+        last_majority={},
+    )
+    assert m["answers/unique_per_prompt"] == 2 and m["acc/train"] == pytest.approx(2 / 3)
+    assert m["reward/soft_vote"] == pytest.approx(5 / 9) and m["reward/format"] == 1.0
+    assert m["answers/top_vote_acc"] == 1.0 and not any(k.startswith("car/") for k in m)
+
+
+def test_step_metrics_with_car_records(tok, monkeypatch):
+    worker, _ = make_worker(tok, monkeypatch)
+    outs = asyncio.run(run_group(worker, tok, RESPONSES))
+    outs += asyncio.run(run_group(worker, tok, ["\\boxed{9}", "\\boxed{9}", "x"], uid="u1"))
+    last = {}
+    m = step_metrics(
+        ["u0"] * 3 + ["u1"] * 3,
+        [o.extra_fields[RECORD_KEY] for o in outs],
+        [o.reward_score for o in outs],
+        confident_share=0.6,
+        last_majority=last,
+    )
+    assert m["car/num_pairs"] == 12 and m["car/pool_size"] == pytest.approx(9.0)
+    assert m["car/position_bias"] == 0.0  # the fake always picks solution 2
+    assert m["answers/top_vote_acc"] == 0.5 and m["car/top_vote_acc_without_car"] == 0.5
+    assert m["answers/confidently_wrong"] == 0.5  # group u1: "9" holds 2/3 >= 0.6, wrong
+    assert m["car/seconds"] >= 0 and m["car/span_s"] >= 0
+    # Both groups carry prompt id toy/7: the second visit flips the majority from 4 to 9.
+    assert m["answers/label_flip_rate"] == 1.0 and last == {"toy/7": "9"}
+
+
+def test_a_failed_session_releases_its_group():
+    async def scenario():
+        group = al._Group(3)
+        assert not group.add(0, object(), {})
+        waiter = asyncio.create_task(group.wait())
+        await asyncio.sleep(0)
+        group.fail(RuntimeError("vLLM died"))
+        with pytest.raises(RuntimeError, match="another rollout of this prompt failed"):
+            await waiter
+
+    asyncio.run(scenario())
+
+
+def test_validation_rollouts_take_verls_path(tok, monkeypatch):
+    worker, handed = make_worker(tok, monkeypatch)
+    out = rollout(tok, RESPONSES[0])
+    asyncio.run(worker._agent_loop_postprocess(out, True, uid="v", session_id=0))
+    assert out.reward_score is None and RECORD_KEY not in out.extra_fields
+    assert ANSWER_MASK_KEY not in handed[0][1]
