@@ -123,7 +123,9 @@ def test_equals_verl_ppo_loss_when_nothing_is_masked(actor_config_factory, answe
     no_answers = [[] for _ in ANSWER_POS]
     data, logp = make_micro_batch(answer=no_answers if answer_weight == 0.0 else ANSWER_POS)
     entropy = torch.rand(logp.shape[0])
-    ref_loss, ref_metrics, ref_grad = run_loss(ppo_loss, actor_config_factory(), data, logp, entropy)
+    ref_loss, ref_metrics, ref_grad = run_loss(
+        ppo_loss, actor_config_factory(), data, logp, entropy
+    )
     loss, metrics, grad = run_loss(
         omgrpo_ppo_loss, actor_config_factory(), data, logp, entropy, answer_weight=answer_weight
     )
@@ -159,7 +161,9 @@ def test_zero_gradient_on_answer_tokens_with_w0(actor_config_factory):
     answer, reasoning = answer_flat_index()
     # PG and KL together.
     data, logp = weighted_batch(0.0)
-    _, metrics, grad = run_loss(omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=0.0)
+    _, metrics, grad = run_loss(
+        omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=0.0
+    )
     assert torch.all(grad[answer] == 0)
     assert torch.all(grad[reasoning] != 0)
     assert metric_value(metrics["kl/answer"]) > 0  # the KL is still measured on answer tokens
@@ -172,7 +176,9 @@ def test_zero_gradient_on_answer_tokens_with_w0(actor_config_factory):
 
     # KL alone (all advantages 0): answer tokens get nothing; reasoning tokens do.
     data0, logp0 = weighted_batch(0.0, advantages=[0.0] * len(PROMPT_LENS))
-    _, _, grad_kl = run_loss(omgrpo_ppo_loss, actor_config_factory(), data0, logp0, answer_weight=0.0)
+    _, _, grad_kl = run_loss(
+        omgrpo_ppo_loss, actor_config_factory(), data0, logp0, answer_weight=0.0
+    )
     assert torch.all(grad_kl[answer] == 0) and grad_kl[reasoning].abs().sum() > 0
 
 

@@ -104,7 +104,9 @@ def make_worker(tok, monkeypatch, car: bool = True):
     worker = al.OmgrpoAgentLoopWorker.__new__(al.OmgrpoAgentLoopWorker)
     worker.config, worker.tokenizer, worker.omgrpo, worker._groups = config, tok, section, {}
     worker.llm_client = FakeServers(tok)
-    worker.rollout_config = SimpleNamespace(max_model_len=None, prompt_length=512, response_length=512)
+    worker.rollout_config = SimpleNamespace(
+        max_model_len=None, prompt_length=512, response_length=512
+    )
     handed = {}
 
     async def verl_postprocess(self, output, validate, **kwargs):

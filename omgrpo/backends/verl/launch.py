@@ -60,11 +60,12 @@ def check_verl(cfg: DictConfig) -> None:
 
 def launch(cfg: DictConfig) -> None:
     """Start verl's V1 training run (Ray) with `cfg`."""
-    # Import the plugin here so that a broken install fails with its message (verl would log it
-    # at DEBUG and then not know the `omgrpo` trainer).
-    import omgrpo.backends.verl.plugin  # noqa: F401
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
+
+    # Imported here too so that a broken install fails with its message (verl would log it at
+    # DEBUG and then not know the `omgrpo` trainer).
+    import omgrpo.backends.verl.plugin  # noqa: F401
 
     auto_set_device(cfg)
     check_verl(cfg)

@@ -13,16 +13,21 @@ from importlib.metadata import version
 
 from omgrpo.backends.verl import VERL_VERSION
 
-_installed = version("verl")
-if _installed != VERL_VERSION:
-    raise ImportError(
-        f"omgrpo's verl plugin is written for verl=={VERL_VERSION}, found verl {_installed}: "
-        f"install the pinned version with `pip install 'omgrpo[verl]'` (docs/verl.md, pin policy)"
-    )
+
+def check_version(installed: str) -> None:
+    """Refuse any verl but the pinned one: the plugin subclasses verl internals."""
+    if installed != VERL_VERSION:
+        raise ImportError(
+            f"omgrpo's verl plugin is written for verl=={VERL_VERSION}, found verl {installed}: "
+            "install the pinned version with `pip install 'omgrpo[verl]'` (docs/verl.md, pin policy)"
+        )
+
+
+check_version(version("verl"))
 
 from omgrpo.backends.verl.trainer import TRAINER_NAME, OmgrpoTrainer  # noqa: E402  (registers)
 
-__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "is_registered"]
+__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "check_version", "is_registered"]
 
 
 def is_registered() -> bool:
