@@ -58,6 +58,9 @@ def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
 
 
 def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
+    warm_start = dict(model_cfg.warm_start)
+    if not warm_start.get("car_share"):  # bases trained before CAR batches existed keep their key
+        warm_start.pop("car_share", None)
     spec = {
         "version": TOY_BASE_VERSION,
         "arch": [
@@ -66,7 +69,7 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
             model_cfg.num_heads,
             model_cfg.num_kv_heads,
         ],
-        "warm_start": dict(model_cfg.warm_start),
+        "warm_start": warm_start,
         "world": ToyWorldSpec.from_config(task_cfg).__dict__,
         "task_seed": task_cfg.seed,
     }
