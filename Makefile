@@ -46,10 +46,20 @@ format: setup
 test: setup lint
 	$(VENV)/bin/pytest -q
 
-# For now: one toy OM-GRPO run (no CAR: it costs ~4x generation on the toy world) on the CPU.
+# The collapse study: GT reward, majority voting, OM-GRPO and OM-GRPO w/o OMU from one shared
+# toy base (sweeps/collapse_demo.yaml), 2 runs at a time, then the report with summary.json and
+# the training-dynamics figure. More seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are
+# skipped when run again.
+DEMO_SEEDS ?= 0
+DEMO_RUNS ?= runs/collapse-demo
+DEMO_REPORT ?= reports/collapse-demo
+
 demo: setup
-	$(VENV)/bin/omgrpo train method=om_grpo_no_car run.root=runs run.name=demo__om_grpo__s0 trainer.steps=20
-	@echo "results: runs/demo__om_grpo__s0/ (metrics.jsonl, rollouts/, checkpoints/, config.yaml)"
+	@for seed in $(DEMO_SEEDS); do \
+		$(VENV)/bin/omgrpo sweep sweeps/collapse_demo.yaml --jobs 2 seed=$$seed run.root=$(DEMO_RUNS) || exit 1; \
+	done
+	$(VENV)/bin/omgrpo report $(DEMO_RUNS) --out $(DEMO_REPORT) --title "Collapse study (toy world)"
+	@echo "report: $(DEMO_REPORT)/report.md  summary: $(DEMO_REPORT)/summary.json"
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

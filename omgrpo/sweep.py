@@ -16,8 +16,9 @@ subprocess:
 - a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; a
   partially written one is re-run with `run.resume=true`;
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
-- `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set, and the
-  MLflow store is created once beforehand (parallel first migrations would race);
+- `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
+  MLflow store is created once beforehand (parallel first migrations would race) and each toy
+  base the runs need is trained once beforehand with all cores;
 - `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
   failed, listing their logs.
 """
@@ -256,6 +257,32 @@ def _prepare_mlflow(runs: list[Run], say) -> None:
             say(f"warning: could not prepare the MLflow store {uri}: {e}")
 
 
+def _prepare_toy_bases(runs: list[Run], say) -> None:
+    """Train each toy base the runs need once, here with every core, before they start in
+    parallel (otherwise each parallel run would train the same base at the same time)."""
+    from omgrpo.models.toy import toy_base_key
+
+    needed: dict[str, Any] = {}
+    for run in runs:
+        cfg = run.config
+        if cfg is None or cfg.model.path or cfg.task.name != "toy":
+            continue
+        key = toy_base_key(cfg.model, cfg.task)
+        if not (Path(str(cfg.model.cache_dir)) / f"toy-base-{key}" / "config.json").exists():
+            needed.setdefault(key, cfg)
+    if not needed:
+        return
+    import torch
+
+    from omgrpo.models.loading import base_model_dir
+    from omgrpo.tasks import load_task
+
+    torch.set_num_threads(_cores())
+    for cfg in needed.values():
+        say(f"  training the shared toy base once ({cfg.model.warm_start.steps} SFT steps)")
+        base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
+
+
 def _run_one(run: Run, env: dict[str, str]) -> tuple[str, float]:
     """Run one training subprocess; returns (outcome, seconds). outcome: done or failed: ..."""
     cmd = [sys.executable, "-m", "omgrpo", "train", *run.overrides]
@@ -355,6 +382,7 @@ def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> in
         if todo:
             if jobs > 1:
                 _prepare_mlflow(todo, progress.console.print)
+                _prepare_toy_bases(todo, progress.console.print)
 
             def work(run: Run) -> tuple[str, float]:
                 with lock:

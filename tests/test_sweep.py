@@ -6,10 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omgrpo.config import compose
-from omgrpo.models.loading import base_model_dir
 from omgrpo.sweep import SweepError, expand_grid, load_sweep, main, plan_runs
-from omgrpo.tasks import load_task
 
 SWEEPS = Path(__file__).resolve().parent.parent / "sweeps"
 # counted by hand: methods x seeds (x scales)
@@ -193,6 +190,9 @@ def _tiny_sweep(tmp_path: Path, tiny_overrides: list[str], steps: int = 2) -> Pa
 
 @pytest.mark.slow
 def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys):
+    cache = tmp_path / "fresh-cache"  # no base yet: the sweep must train it once, up front
+    tiny_overrides = [o for o in tiny_overrides if not o.startswith("model.cache_dir=")]
+    tiny_overrides.append(f"model.cache_dir={cache}")
     path = _tiny_sweep(tmp_path, tiny_overrides)
     root = tmp_path / "runs"
     names = [f"tiny__{m}__s{s}" for m in ("mv", "om_grpo_no_car") for s in (0, 1)]
@@ -202,17 +202,16 @@ def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys
     assert "4 runs (4 to run)" in out
     assert sum(f"] {n}: " in out for n in names) == 4
 
-    # build the shared toy base once here, not twice in parallel in the runs
-    cfg = compose(tiny_overrides)
-    base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
-
     assert main([str(path), "--jobs", "2"]) == 0
     out = capsys.readouterr()
     assert "4 done, 0 skipped, 0 failed" in out.out
+    assert "training the shared toy base once" in out.err
+    assert len(list(cache.glob("toy-base-*/config.json"))) == 1
     for name in names:
         assert json.loads((root / name / "status.json").read_text())["state"] == "finished"
         log = (root / name).with_suffix(".log").read_text()
         assert "trainer.threads=" in log and "run finished" in log
+        assert "warm start: training" not in log  # the runs found the base ready
 
     assert main([str(path), "--jobs", "2"]) == 0
     out = capsys.readouterr()
