@@ -130,6 +130,23 @@ def test_launch_without_required_keys_stops_before_ray(capsys):
     assert "set actor_rollout_ref.model.path" in capsys.readouterr().err
 
 
+def test_launch_runs_verls_run_ppo_with_the_composed_config(monkeypatch):
+    """Without --dry-run the CLI hands the composed config to verl's run function (stubbed
+    here: a real run needs Ray, GPUs and vLLM)."""
+    import verl.trainer.main_ppo as main_ppo
+
+    calls = []
+    monkeypatch.setattr(
+        main_ppo, "run_ppo", lambda cfg, task_runner_class: calls.append((cfg, task_runner_class))
+    )
+    code = cli.main(["train", "backend=verl", "experiment=paper_qwen3_1p7b", "method=mv", *LAUNCH])
+    assert code == 0 and len(calls) == 1
+    cfg, runner = calls[0]
+    assert runner is main_ppo.TaskRunnerV1
+    assert cfg.trainer.v1.trainer_mode == "omgrpo" and cfg.omgrpo.method == "mv"
+    assert cfg.actor_rollout_ref.model.path == "/models/m"
+
+
 def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     cfg = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "omgrpo.algorithm.answer_weight=0.25"])
     trainer = OmgrpoTrainer(cfg)  # no Ray: the workers are built later, in init()
