@@ -34,6 +34,7 @@ from torch import Tensor
 __all__ = [
     "AGG_MODES",
     "agg_loss",
+    "answer_token_advantages",
     "group_advantages",
     "grpo_loss",
     "kl_k3",
@@ -219,6 +220,35 @@ def token_weights(
     return torch.where(answer_mask.bool(), ones * answer_weight, ones)
 
 
+def answer_token_advantages(
+    advantages: Tensor,
+    answer_mask: Tensor,
+    answer_weight: float,
+    format_advantages: Tensor | None = None,
+) -> Tensor:
+    """Per-token PG advantages of the Outcome-Masked Update.
+
+    ``a_t = m_t * A_i`` (:func:`token_weights`: ``answer_weight`` on answer tokens, 1
+    elsewhere); with ``format_advantages`` ("format-only") answer tokens take
+    ``format_advantages[i]`` instead and the others keep ``A_i``.
+
+    Args:
+        advantages: (B, 1) or (B, T) advantages (A_i broadcast over the tokens of rollout i).
+        answer_mask: (B, T) bool or 0/1 answer-span tokens.
+        answer_weight: the OMU weight ``w``.
+        format_advantages: optional (B,) advantage for answer tokens.
+
+    Returns:
+        (B, T) advantages of ``advantages.dtype`` (not masked by the response).
+    """
+    answer = answer_mask.bool()
+    shape = answer.shape
+    if format_advantages is None:
+        return advantages * token_weights(answer, answer_weight, dtype=advantages.dtype)
+    fmt = format_advantages.to(advantages.dtype).unsqueeze(-1).expand(shape)
+    return torch.where(answer, fmt, advantages.expand(shape))
+
+
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
     """Log-probability of the given tokens and the entropy of the full distribution.
 
@@ -333,11 +363,8 @@ def grpo_loss(
 
     # Per-token PG advantage.
     adv_seq = advantages.detach().to(dtype).unsqueeze(-1)  # (B, 1)
-    if format_advantages is None:
-        adv_tok = adv_seq * weights
-    else:
-        fmt = format_advantages.detach().to(dtype).unsqueeze(-1).expand(shape)
-        adv_tok = torch.where(answer, fmt, adv_seq.expand(shape))
+    fmt_seq = None if format_advantages is None else format_advantages.detach()
+    adv_tok = answer_token_advantages(adv_seq, answer, answer_weight, fmt_seq)
 
     # Clipped surrogate.
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)

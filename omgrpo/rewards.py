@@ -153,6 +153,15 @@ def soft_vote_reward(group: RewardGroup) -> list[float]:
     return [0.0 if c is None else counts[c] / len(voters) for c in group.classes]
 
 
+def format_score(answer: str | None) -> float:
+    """The format reward of one extracted answer: 1.0 if there is one, else 0.0.
+
+    >>> format_score("3"), format_score(None)
+    (1.0, 0.0)
+    """
+    return float(answer is not None)
+
+
 @register_reward("format")
 def format_reward(group: RewardGroup) -> list[float]:
     """1 if a boxed answer could be extracted.
@@ -160,7 +169,7 @@ def format_reward(group: RewardGroup) -> list[float]:
     >>> format_reward(make_group(["3", None]))
     [1.0, 0.0]
     """
-    return [float(a is not None) for a in group.answers]
+    return [format_score(a) for a in group.answers]
 
 
 @register_reward("self_certainty")
