@@ -4,10 +4,20 @@
   masked, and with w = 0 answer tokens get exactly zero gradient from both the PG and the KL
   term while reasoning tokens keep the gradient they had with w = 1;
 - `apply_answer_weighting` on a DataProto: w on answer tokens, the format advantage in the
-  format-only variant, padding rows copied by verl's balance step neutralised.
+  format-only variant; `weight_jagged` on TransferQueue-shaped rows with a padding row as
+  verl's balance step adds it (one-token response, another rollout's longer answer mask).
 """
 
 from __future__ import annotations
+
+try:
+    import verl  # noqa: F401
+except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to get it
+    raise ModuleNotFoundError(
+        "tests/test_verl_*.py need verl: install with pip install -e '.[dev,verl]' (or make setup)"
+    ) from exc
+
+import math
 
 import numpy as np
 import pytest
@@ -17,12 +27,17 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.metric import Metric
 from verl.workers.utils.losses import ppo_loss
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY
-from omgrpo.backends.verl.advantage import apply_answer_weighting, weight_advantages
+from omgrpo.backends.verl.advantage import (
+    apply_answer_weighting,
+    weight_advantages,
+    weight_jagged,
+)
 from omgrpo.backends.verl.config import compose_verl
-from omgrpo.backends.verl.loss import omgrpo_ppo_loss
+from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.losses import group_advantages, kl_k3
 
 PROMPT_LENS = [3, 5, 4, 2]
@@ -134,7 +149,8 @@ def test_equals_verl_ppo_loss_when_nothing_is_masked(actor_config_factory, answe
     assert ref_grad.abs().sum() > 0
     for key, value in ref_metrics.items():  # verl's metrics are all there, unchanged
         assert metric_value(metrics[key]) == pytest.approx(metric_value(value), abs=0), key
-    assert {"kl/answer", "kl/reasoning", "entropy/answer", "entropy/reasoning"} <= set(metrics)
+    split = {f"kl/{k}_{s}" for k in ("answer", "reasoning") for s in ("sum", "count")}
+    assert split <= set(metrics)
 
 
 def test_answer_batch_without_mask_field_is_verl_loss(actor_config_factory):
@@ -166,7 +182,7 @@ def test_zero_gradient_on_answer_tokens_with_w0(actor_config_factory):
     )
     assert torch.all(grad[answer] == 0)
     assert torch.all(grad[reasoning] != 0)
-    assert metric_value(metrics["kl/answer"]) > 0  # the KL is still measured on answer tokens
+    assert metric_value(metrics["kl/answer_sum"]) > 0  # the KL is still measured on answer tokens
 
     # PG alone (KL off): answer tokens get nothing; reasoning tokens do.
     config = actor_config_factory()
@@ -180,6 +196,38 @@ def test_zero_gradient_on_answer_tokens_with_w0(actor_config_factory):
         omgrpo_ppo_loss, actor_config_factory(), data0, logp0, answer_weight=0.0
     )
     assert torch.all(grad_kl[answer] == 0) and grad_kl[reasoning].abs().sum() > 0
+
+
+def test_kl_split_is_a_token_mean_over_micro_batches(actor_config_factory):
+    """A micro-batch without answer tokens adds nothing to kl/answer (no 0 pulled into a mean
+    of means): sums and counts are reduced alike and divided once per step."""
+    with_answers, logp1 = make_micro_batch(seed=1)
+    without, logp2 = make_micro_batch(seed=2, answer=[[] for _ in ANSWER_POS])
+    reduced: dict[str, Metric] = {}
+    kld, masks = [], []
+    for data, logp in ((with_answers, logp1), (without, logp2)):
+        _, metrics, _ = run_loss(
+            omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=0.0
+        )
+        for key in ("kl/answer_sum", "kl/answer_count", "kl/reasoning_sum", "kl/reasoning_count"):
+            reduced.setdefault(key, metrics[key].init_list()).append(metrics[key])
+        padded = data.select("ref_log_prob", ANSWER_MASK_KEY).to_padded_tensor()
+        lp = torch.stack(
+            [
+                torch.nn.functional.pad(logp.detach()[response_positions(i)], (0, 7 - r))
+                for i, r in enumerate(RESPONSE_LENS)
+            ]
+        )
+        kld.append(kl_k3(lp, padded["ref_log_prob"]))
+        masks.append(padded[ANSWER_MASK_KEY].bool())
+    assert metric_value(reduced["kl/answer_count"]) == sum(len(p) for p in ANSWER_POS)
+    out = loss_metric_means({f"actor/{k}": m.aggregate() for k, m in reduced.items()})
+    assert set(out) == {"kl/answer", "kl/reasoning"}
+    expected = torch.cat([k[m] for k, m in zip(kld, masks)]).mean()
+    assert out["kl/answer"] == pytest.approx(float(expected), rel=1e-5)
+    # a step without any answer token: nan, not 0
+    empty = loss_metric_means({"actor/kl/answer_sum": 0.0, "actor/kl/answer_count": 0.0})
+    assert math.isnan(empty["kl/answer"])
 
 
 def test_reasoning_gradient_does_not_depend_on_w(actor_config_factory):
@@ -264,14 +312,46 @@ def test_format_only_advantages_on_dataproto():
                 assert got[i, t] == pytest.approx(float(adv[i]))
 
 
-def test_padding_row_copied_from_another_rollout_gets_no_answer_tokens():
-    """verl's balance step pads the batch with rows copied from sample 0 (response length 1,
-    response_mask 0): their answer mask must not leak."""
-    proto, _, _, _ = grpo_proto()
-    proto.batch["response_mask"][5] = 0
-    proto.batch[ANSWER_MASK_KEY][5] = proto.batch[ANSWER_MASK_KEY][0]
-    out = apply_answer_weighting(proto, 0.0)
-    assert out.batch[ANSWER_MASK_KEY][5].sum() == 0 and out.batch["advantages"][5].abs().sum() == 0
+def jagged_rollouts_with_padding_row(format_only: bool = False) -> TensorDict:
+    """Rows as TransferQueue holds them after verl's balance step: 2 prompts x G=2, then a
+    padding row (`upsample_batch_to_divisible_size`): a copy of row 0's fields with a
+    one-token response, response_mask 0 and its own uid, so its copied answer mask and format
+    score are longer / staler than its response."""
+    lengths, answer_pos = [5, 3, 4, 2], [[3, 4], [1], [], [0, 1]]
+    adv = [1.0, -1.0, 0.5, -0.5]
+    rows = {"response_mask": [], "advantages": [], ANSWER_MASK_KEY: []}
+    for n, pos, a in zip(lengths, answer_pos, adv):
+        rows["response_mask"].append(torch.ones(n, dtype=torch.int64))
+        rows["advantages"].append(torch.full((n,), a))
+        mask = torch.zeros(n, dtype=torch.int64)
+        mask[pos] = 1
+        rows[ANSWER_MASK_KEY].append(mask)
+    rows["response_mask"].append(torch.zeros(1, dtype=torch.int64))
+    rows["advantages"].append(torch.zeros(1))
+    rows[ANSWER_MASK_KEY].append(rows[ANSWER_MASK_KEY][0].clone())  # 5 tokens, response 1
+    fields = {k: _nested(v) for k, v in rows.items()}
+    fields["uid"] = ["a", "a", "b", "b", "pad0"]
+    if format_only:
+        fields[FORMAT_SCORE_KEY] = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
+    return tu.get_tensordict(fields)
+
+
+@pytest.mark.parametrize("format_only", [False, True])
+def test_padding_row_copied_from_another_rollout_gets_no_answer_tokens(format_only):
+    data = jagged_rollouts_with_padding_row(format_only)
+    out = weight_jagged(data, 0.0, format_only=format_only)
+    lengths = [5, 3, 4, 2, 1]
+    for key in ("advantages", ANSWER_MASK_KEY):
+        assert out[key].is_nested and out[key].offsets().diff().tolist() == lengths
+    adv = out["advantages"].unbind()
+    answer = out[ANSWER_MASK_KEY].unbind()
+    assert adv[4].tolist() == [0.0] and answer[4].tolist() == [0]  # padding row: nothing left
+    assert answer[0].tolist() == [0, 0, 0, 1, 1]
+    if format_only:  # group a: formats 1, 0 -> +-1/sqrt(2) on answer tokens
+        assert adv[0][3:].tolist() == pytest.approx([2**-0.5] * 2, rel=1e-5)
+    else:
+        assert adv[0].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert adv[3].tolist() == [0.0, 0.0] and adv[2].tolist() == [0.5] * 4
 
 
 def test_missing_answer_mask_names_the_agent_loop():

@@ -3,6 +3,13 @@ that fails to load only at DEBUG level, so registration itself is asserted)."""
 
 from __future__ import annotations
 
+try:
+    import verl  # noqa: F401
+except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to get it
+    raise ModuleNotFoundError(
+        "tests/test_verl_*.py need verl: install with pip install -e '.[dev,verl]' (or make setup)"
+    ) from exc
+
 import json
 import os
 import subprocess

@@ -8,7 +8,15 @@ worker hands to verl.
 
 from __future__ import annotations
 
+try:
+    import verl  # noqa: F401
+except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to get it
+    raise ModuleNotFoundError(
+        "tests/test_verl_*.py need verl: install with pip install -e '.[dev,verl]' (or make setup)"
+    ) from exc
+
 import asyncio
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +26,7 @@ from verl.experimental.agent_loop import AgentLoopOutput
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
 from verl.workers.rollout.replica import TokenOutput
 
+from omgrpo import answers
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl import agent_loop as al
 from omgrpo.backends.verl.config import OmgrpoVerlConfig
@@ -49,6 +58,15 @@ def test_compute_score_is_label_free_with_pred_and_acc():
     assert compute_score("math", "\\boxed{4}", ground_truth=None)["acc"] == 0.0
 
 
+def test_compute_score_applies_math_verify_switch(monkeypatch):
+    """The presets pass omgrpo.reward.math_verify to verl's reward workers (reward_kwargs)."""
+    monkeypatch.setattr(answers, "_MATH_VERIFY_ENABLED", True)
+    compute_score("math", "\\boxed{4}", ground_truth="4", math_verify=False)
+    assert answers._MATH_VERIFY_ENABLED is False
+    compute_score("math", "\\boxed{4}", ground_truth="4")  # None: left as it is
+    assert answers._MATH_VERIFY_ENABLED is False
+
+
 def test_score_group_soft_vote_with_pool_and_answer_masks(tok):
     responses = [ids(tok, r) for r in RESPONSES] + [ids(tok, "no answer")]
     scores = score_group(tok, responses, "4", ["soft_vote", "format"], pool=["5", "4", None])
@@ -69,40 +87,73 @@ def test_car_prompt_ids_paper_template_and_budget(tok):
     prompt = ids(tok, PROMPT, eos=False)
     s1, s2 = ids(tok, "A" * 30), ids(tok, "B" * 5)
     out, cut = al.car_prompt_ids(tok, prompt, s1, s2, 10, max_len=4096, max_new_tokens=8)
-    assert out[: len(prompt)] == prompt and cut == 1
+    assert out[: len(prompt)] == prompt and cut == (True, False)
     text = tok.decode(out[len(prompt) :])
     assert text == CAR_INTRO + "A" * 10 + CAR_MIDDLE + "B" * 5 + CAR_OUTRO
     # A short context cuts the solutions further so prompt + answer fit.
     template = len(CAR_INTRO + CAR_MIDDLE + CAR_OUTRO)
     max_len = len(prompt) + template + 8 + 2 * 4
     out, cut = al.car_prompt_ids(tok, prompt, s1, s2, 0, max_len=max_len, max_new_tokens=8)
-    assert len(out) + 8 <= max_len and cut == 2
-    with pytest.raises(ValueError, match="max_model_len"):
+    assert len(out) + 8 <= max_len and cut == (True, True)
+    with pytest.raises(ValueError, match=r"no room for the two solutions.*max_model_len"):
         al.car_prompt_ids(tok, prompt, s1, s2, 10, max_len=len(prompt) + 5, max_new_tokens=8)
+
+
+class GrowingTokenizer:
+    """A tokenizer whose encoding of the joined text is longer than the sum of the parts
+    (each "A" re-encodes as two tokens), as merges / splits at the joins can do."""
+
+    def __init__(self, tok):
+        self.tok, self.all_special_ids = tok, tok.all_special_ids
+
+    def encode(self, text, add_special_tokens=False):
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ids + [ids[0]] * text.count("A") if ids else ids
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_car_prompt_ids_checks_the_final_length(tok):
+    prompt = ids(tok, PROMPT, eos=False)
+    grow = GrowingTokenizer(tok)
+    template = len(CAR_INTRO + CAR_MIDDLE + CAR_OUTRO)
+    max_len = len(prompt) + template + 8 + 2 * 20
+    s1, s2 = ids(tok, "A" * 30), ids(tok, "B" * 30)
+    out, cut = al.car_prompt_ids(grow, prompt, s1, s2, 0, max_len=max_len, max_new_tokens=8)
+    assert len(out) + 8 <= max_len and cut == (True, True)
+    text = tok.decode(out[len(prompt) :])
+    n = text.count("A")  # cut further than the 20 tokens the first estimate allowed
+    assert 0 < n < 20 and "B" * n in text and "B" * (n + 1) not in text
 
 
 class FakeServers:
     """The policy's rollout servers: a CAR prompt is answered with solution 2's answer."""
 
     def __init__(self, tok):
-        self.tok, self.calls = tok, []
+        self.tok, self.calls, self.request_ids = tok, [], []
 
     async def generate(self, request_id, *, prompt_ids, sampling_params):
         self.calls.append(sampling_params)
+        self.request_ids.append((request_id, prompt_ids))
         text = self.tok.decode(prompt_ids)
         second = text[text.rindex(CAR_MIDDLE) : text.rindex(CAR_OUTRO)]
         answer = second[second.rindex("{") + 1 : second.rindex("}")] if "{" in second else "7"
         return TokenOutput(token_ids=self.tok.encode(answer + "} done", add_special_tokens=False))
 
 
-def make_worker(tok, monkeypatch, car: bool = True):
+def make_worker(tok, monkeypatch, car: bool = True, max_solution_tokens: int = 0):
     """The omgrpo agent-loop worker without Ray; verl's post-processing records its inputs."""
     section = OmegaConf.structured(OmgrpoVerlConfig)
     section.car.enable = car
+    section.car.max_solution_tokens = max_solution_tokens
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"n": 3}}})
     config.omgrpo = section
     worker = al.OmgrpoAgentLoopWorker.__new__(al.OmgrpoAgentLoopWorker)
     worker.config, worker.tokenizer, worker.omgrpo, worker._groups = config, tok, section, {}
+    worker._warned_no_index = False
+    # max_model_len null: verl's vLLM servers use the model's max_position_embeddings
+    worker.model_config = SimpleNamespace(hf_config=SimpleNamespace(max_position_embeddings=4096))
     worker.llm_client = FakeServers(tok)
     worker.rollout_config = SimpleNamespace(
         max_model_len=None, prompt_length=512, response_length=512
@@ -127,9 +178,12 @@ def rollout(tok, text: str) -> AgentLoopOutput:
     )
 
 
-async def run_group(worker, tok, texts, uid="u0"):
+async def run_group(worker, tok, texts, uid="u0", index: int | None = 7):
     worker._groups[uid] = al._Group(len(texts))
-    common = {"uid": uid, "reward_model": {"ground_truth": "4"}, "data_source": "toy", "index": 7}
+    common = {"uid": uid, "reward_model": {"ground_truth": "4"}, "data_source": "toy"}
+    # verl's dataset copies extra_info.index to `index`, 0 when the row has none
+    common["index"] = 0 if index is None else index
+    common["extra_info"] = {} if index is None else {"index": index}
     outs = [rollout(tok, t) for t in texts]
     await asyncio.gather(
         *(
@@ -145,6 +199,14 @@ def test_agent_loop_group_rewards_with_car(tok, monkeypatch):
     outs = asyncio.run(run_group(worker, tok, RESPONSES))
     # 3 x 2 ordered pairs; each answered with solution 2's answer: 4 5 4 5 4 4
     assert len(worker.llm_client.calls) == 6
+    # one request id per anchor (sticky routing to the server holding the anchor's prefix)
+    prefix = {}
+    for request_id, prompt_ids in worker.llm_client.request_ids:
+        anchor = int(request_id.removeprefix("u0-car-"))
+        head = len(ids(tok, PROMPT, eos=False)) + len(CAR_INTRO) + len(RESPONSES[anchor]) - 1
+        prefix.setdefault(request_id, prompt_ids[:head])
+        assert prompt_ids[:head] == prefix[request_id]
+    assert sorted(prefix) == ["u0-car-0", "u0-car-1", "u0-car-2"]
     assert worker.llm_client.calls[0]["max_tokens"] == 8
     # pool: 3 rollouts (4, 4, 5) + pair answers (4 x "4", 2 x "5") -> "4": 6/9, "5": 3/9
     soft = [6 / 9, 6 / 9, 3 / 9]
@@ -222,3 +284,34 @@ def test_validation_rollouts_take_verls_path(tok, monkeypatch):
     asyncio.run(worker._agent_loop_postprocess(out, True, uid="v", session_id=0))
     assert out.reward_score is None and RECORD_KEY not in out.extra_fields
     assert ANSWER_MASK_KEY not in handed[0][1]
+
+
+def test_car_truncated_counts_each_cut_solution_once(tok, monkeypatch):
+    worker, _ = make_worker(tok, monkeypatch, max_solution_tokens=12)
+    texts = ["x" * 20 + "\\boxed{4}", "\\boxed{4}", "y" * 30 + "\\boxed{5}"]
+    outs = asyncio.run(run_group(worker, tok, texts))
+    assert outs[0].extra_fields[RECORD_KEY]["car"]["truncated"] == 2  # rollouts 0 and 2
+
+
+def test_car_budget_without_max_model_len_uses_the_models_context(tok, monkeypatch):
+    worker, _ = make_worker(tok, monkeypatch)
+    worker.model_config.hf_config.max_position_embeddings = 60
+    with pytest.raises(
+        (ValueError, RuntimeError), match=r"max_position_embeddings.*lower omgrpo\.car"
+    ):
+        asyncio.run(run_group(worker, tok, RESPONSES))
+    worker.rollout_config.max_model_len = 60
+    with pytest.raises(
+        (ValueError, RuntimeError), match=r"raise actor_rollout_ref\.rollout\.max_m"
+    ):
+        asyncio.run(run_group(worker, tok, RESPONSES, uid="u1"))
+
+
+def test_missing_extra_info_index_warns_once_and_hashes_the_prompt(tok, monkeypatch, caplog):
+    worker, _ = make_worker(tok, monkeypatch, car=False)
+    with caplog.at_level(logging.WARNING, logger=al.__name__):
+        outs = asyncio.run(run_group(worker, tok, RESPONSES, index=None))
+        asyncio.run(run_group(worker, tok, RESPONSES, uid="u1", index=None))
+    assert sum("extra_info.index" in r.getMessage() for r in caplog.records) == 1
+    pid = outs[0].extra_fields[RECORD_KEY]["prompt_id"]
+    assert pid.startswith("toy/prompt-") and pid != "toy/0"

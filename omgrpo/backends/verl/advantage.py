@@ -5,7 +5,8 @@ mean and unbiased std, eps 1e-6: the same as `omgrpo.losses.group_advantages`). 
 weights it per token: w on answer-span tokens, 1 elsewhere; in the "format-only" ablation
 answer tokens get the group advantage of the format reward instead. The V1 trainer's advantage
 step reads only uid / response_mask / rm_scores / log-probs / values, so the `omgrpo` trainer
-applies this right after it, on the padded batch (`apply_answer_weighting`).
+applies this right after it: `weight_jagged` on the rollouts as TransferQueue stores them
+(jagged, one row per rollout), through `apply_answer_weighting` on the padded batch.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 from verl import DataProto
+from verl.workers.utils.padding import response_to_nested
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY
-from omgrpo.losses import group_advantages, token_weights
+from omgrpo.losses import answer_token_advantages, group_advantages
 
-__all__ = ["apply_answer_weighting", "uid_group_ids", "weight_advantages"]
+__all__ = ["apply_answer_weighting", "weight_advantages", "weight_jagged"]
 
 
-def uid_group_ids(uids: Sequence[object]) -> torch.Tensor:
+def _uid_group_ids(uids: Sequence[object]) -> torch.Tensor:
     """(B,) int64 group id per rollout from verl's per-prompt `uid` strings."""
     _, inverse = np.unique(np.asarray([str(u) for u in uids], dtype=object), return_inverse=True)
     return torch.as_tensor(inverse, dtype=torch.int64)
@@ -55,11 +58,7 @@ def weight_advantages(
         )
     resp = response_mask.bool()
     answer = answer_mask.bool() & resp
-    if format_advantages is None:
-        out = advantages * token_weights(answer, answer_weight, dtype=advantages.dtype)
-    else:
-        fmt = format_advantages.to(advantages.dtype).unsqueeze(-1).expand_as(advantages)
-        out = torch.where(answer, fmt, advantages)
+    out = answer_token_advantages(advantages, answer, answer_weight, format_advantages)
     return out * resp.to(advantages.dtype)
 
 
@@ -69,10 +68,12 @@ def apply_answer_weighting(
     """Weight `data.batch["advantages"]` in place on answer tokens and return `data`.
 
     Reads `advantages`, `response_mask`, `omgrpo_answer_mask` (B, T) and, for `format_only`,
-    `omgrpo_format` (B,) with `non_tensor_batch["uid"]` (the prompt groups). A row whose answer
-    mask does not match its response (verl's balance-batch padding rows, copied from another
-    rollout) is treated as having no answer tokens, and its mask is zeroed so the loss sees the
-    same thing.
+    `omgrpo_format` (B,) with `non_tensor_batch["uid"]` (the prompt groups). The answer mask
+    is intersected with `response_mask` (and written back so the loss sees the same tokens).
+    Nothing here compares masks with responses: verl's balance-batch padding rows (a copy of
+    another rollout's fields with a one-token response and `response_mask` 0) lose their copied
+    answer mask only because their `response_mask` is 0, and `weight_jagged` cuts every row
+    back to its response length.
     """
     batch = data.batch
     for key in ("advantages", "response_mask", ANSWER_MASK_KEY):
@@ -88,10 +89,40 @@ def apply_answer_weighting(
     if format_only:
         if FORMAT_SCORE_KEY not in batch:
             raise KeyError(f"format_only needs the per-rollout '{FORMAT_SCORE_KEY}' field")
-        groups = uid_group_ids(data.non_tensor_batch["uid"])
+        groups = _uid_group_ids(data.non_tensor_batch["uid"])
         fmt = batch[FORMAT_SCORE_KEY].reshape(-1).to(torch.float32)
         format_adv = group_advantages(fmt, groups, eps)
     batch["advantages"] = weight_advantages(
         batch["advantages"], response_mask, answer_mask, answer_weight, format_adv
     )
     return data
+
+
+def weight_jagged(
+    data: TensorDict, answer_weight: float, format_only: bool = False, eps: float = 1e-6
+) -> TensorDict:
+    """`apply_answer_weighting` on rollouts as TransferQueue holds them.
+
+    Args:
+        data: `uid` (non-tensor), jagged `response_mask`, `advantages`, `omgrpo_answer_mask`
+            and, for `format_only`, `omgrpo_format`.
+        answer_weight, format_only, eps: as `apply_answer_weighting`.
+
+    Returns:
+        A TensorDict with the jagged `advantages` and `omgrpo_answer_mask`, each row as long as
+        its response (a padding row's copied, longer answer mask comes back one token long).
+    """
+    nested_mask = data["response_mask"]
+    names = list(data.keys())  # (iterating a TensorDict gives rows)
+    proto = DataProto(batch=data.select(*[k for k in names if k != "uid"]).to_padded_tensor())
+    if "uid" in names:
+        uids = data.get("uid").tolist()
+        proto.non_tensor_batch["uid"] = np.array([str(u) for u in uids], dtype=object)
+    apply_answer_weighting(proto, answer_weight, format_only, eps)
+    return TensorDict(
+        {
+            key: response_to_nested(proto.batch[key], nested_mask)
+            for key in ("advantages", ANSWER_MASK_KEY)
+        },
+        batch_size=data.batch_size,
+    )

@@ -27,22 +27,26 @@ omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager` (set in the presets).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 import random
 import time
 from typing import Any
-from uuid import uuid4
 
 import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.answers import normalize
+from omgrpo.answers import normalize, set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.reward import NO_ANSWER, GroupScores, label_of, score_group
-from omgrpo.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, enumerate_pairs, parse_pair_answer
+from omgrpo.car import _car_text, enumerate_pairs, parse_pair_answer
+from omgrpo.rewards import format_score
 
 __all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
+
+logger = logging.getLogger(__name__)
 
 # Ray forbids subclassing an actor class; verl's own class behind @ray.remote is this one.
 _WorkerBase = AgentLoopWorkerTQ.__ray_metadata__.modified_class
@@ -56,30 +60,43 @@ def car_prompt_ids(
     max_solution_tokens: int,
     max_len: int,
     max_new_tokens: int,
-) -> tuple[list[int], int]:
-    """Token ids of the paper's CAR prompt for one ordered pair, and how many solutions were cut.
+    advice: str = "raise actor_rollout_ref.rollout.max_model_len",
+) -> tuple[list[int], tuple[bool, bool]]:
+    """Token ids of the paper's CAR prompt for one ordered pair, and which solution was cut.
 
     The rollout's own prompt (chat template, question, open assistant turn) is followed by
     "Here are two possible solutions: [Solution 1] ... [Solution 2] ... the correct final answer
     is \\boxed{" (`omgrpo.car`'s template). Each solution (generated ids, special tokens dropped)
     is cut to its first `max_solution_tokens` tokens (<= 0: whole), and further so that the
-    prompt plus `max_new_tokens` fits in `max_len` (vLLM rejects longer prompts).
+    prompt plus `max_new_tokens` fits in `max_len` (vLLM rejects longer prompts). The length is
+    checked on the final ids: decoding the cut solutions and encoding the concatenated text
+    can merge or split tokens at the joins, so the cut shrinks until the prompt fits.
+
+    Returns:
+        ``(ids, (cut_1, cut_2))``; the cut is the same for every pair of a group (same
+        prompt, same budget), so a solution's flag is the same in all its pairs.
     """
     special = set(tokenizer.all_special_ids)
     sols = [[t for t in s if t not in special] for s in (solution_1, solution_2)]
-    template = len(tokenizer.encode(CAR_INTRO + CAR_MIDDLE + CAR_OUTRO, add_special_tokens=False))
-    room = (max_len - len(prompt_ids) - template - max_new_tokens) // 2
-    if room < 1:
-        raise ValueError(
-            f"CAR prompt does not fit: prompt {len(prompt_ids)} + template {template} + "
-            f"omgrpo.car.max_new_tokens {max_new_tokens} tokens exceed the rollout's max_model_len "
-            f"{max_len}; raise actor_rollout_ref.rollout.max_model_len"
+    budget = max_len - max_new_tokens  # prompt tokens vLLM accepts with room for the answer
+    template = len(tokenizer.encode(_car_text("", "", ""), add_special_tokens=False))
+    limit = (budget - len(prompt_ids) - template) // 2
+    if max_solution_tokens > 0:
+        limit = min(limit, max_solution_tokens)
+    while limit >= 1:
+        texts = [tokenizer.decode(s[:limit], skip_special_tokens=True) for s in sols]
+        ids = list(prompt_ids) + tokenizer.encode(
+            _car_text("", texts[0], texts[1]), add_special_tokens=False
         )
-    limit = room if max_solution_tokens <= 0 else min(room, max_solution_tokens)
-    cut = sum(len(s) > limit for s in sols)
-    texts = [tokenizer.decode(s[:limit], skip_special_tokens=True) for s in sols]
-    tail = CAR_INTRO + texts[0] + CAR_MIDDLE + texts[1] + CAR_OUTRO
-    return list(prompt_ids) + tokenizer.encode(tail, add_special_tokens=False), cut
+        over = len(ids) - budget
+        if over <= 0:
+            return ids, (len(sols[0]) > limit, len(sols[1]) > limit)
+        limit -= over // 2 + 1
+    raise ValueError(
+        f"CAR prompt does not fit: prompt {len(prompt_ids)} + template {template} + "
+        f"omgrpo.car.max_new_tokens {max_new_tokens} tokens leave no room for the two solutions "
+        f"within {max_len} tokens; {advice}"
+    )
 
 
 class _Group:
@@ -115,6 +132,8 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         super().__init__(*args, **kwargs)
         self.omgrpo = section(self.config)
         self._groups: dict[str, _Group] = {}
+        self._warned_no_index = False
+        set_math_verify(bool(self.omgrpo.reward.math_verify))
 
     async def _run_prompt(
         self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False
@@ -162,19 +181,35 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         )
 
     # ------------------------------------------------------------------------------------
-    def _max_model_len(self) -> int:
+    def _context_limit(self) -> tuple[int, str]:
+        """The servers' context length (what vLLM checks prompts against) and how to raise
+        it: `max_model_len`, or the model's `max_position_embeddings` when that is null (verl's
+        vLLM server sets it so)."""
         cfg = self.rollout_config
-        return int(cfg.max_model_len or (cfg.prompt_length + cfg.response_length))
+        lower = "lower omgrpo.car.max_new_tokens or data.max_prompt_length"
+        if cfg.max_model_len:
+            return int(cfg.max_model_len), (
+                f"raise actor_rollout_ref.rollout.max_model_len (up to the model's "
+                f"max_position_embeddings) or {lower}"
+            )
+        from verl.workers.rollout.utils import get_max_position_embeddings
+
+        limit = get_max_position_embeddings(self.model_config.hf_config)
+        return limit, (
+            f"the limit is the model's max_position_embeddings (actor_rollout_ref.rollout."
+            f"max_model_len is null), so {lower}"
+        )
 
     async def _pair_answers(
-        self, prompt_ids: list[int], responses: list[list[int]], seed: str
+        self, prompt_ids: list[int], responses: list[list[int]], uid: str, seed: str
     ) -> dict[str, Any]:
         """CAR's pair answers of one group from the policy's rollout servers."""
         car = self.omgrpo.car
         pairs = enumerate_pairs(len(responses), car.pairs_per_anchor, random.Random(seed))
-        max_len = self._max_model_len()
-        prompts = [
-            car_prompt_ids(
+        max_len, advice = self._context_limit()
+        prompts, cut = [], set()
+        for i, j in pairs:
+            ids, (cut_i, cut_j) = car_prompt_ids(
                 self.tokenizer,
                 prompt_ids,
                 responses[i],
@@ -182,35 +217,68 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 int(car.max_solution_tokens),
                 max_len,
                 int(car.max_new_tokens),
-            )[0]
-            for i, j in pairs
-        ]
-        # `car/truncated` counts each cut solution once per step, as the native CAR does.
-        special = set(self.tokenizer.all_special_ids)
-        limit = int(car.max_solution_tokens)
-        truncated = sum(0 < limit < len([t for t in r if t not in special]) for r in responses)
+                advice,
+            )
+            prompts.append(ids)
+            cut |= {i} if cut_i else set()
+            cut |= {j} if cut_j else set()
         params = {
             "max_tokens": int(car.max_new_tokens),
             "temperature": float(car.temperature),
             "top_p": float(car.top_p),
         }
 
-        async def one(ids: list[int]) -> str | None:
+        async def one(k: int) -> str | None:
+            # One request id per anchor: verl's load balancer routes an id to the same server
+            # (sticky sessions), so the anchor's pairs, which share the prompt and solution 1,
+            # meet their prefix in that server's cache.
             out = await self.llm_client.generate(
-                uuid4().hex, prompt_ids=ids, sampling_params=dict(params)
+                f"{uid}-car-{pairs[k][0]}", prompt_ids=prompts[k], sampling_params=dict(params)
             )
             return parse_pair_answer(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
 
+        async def anchor(ks: list[int]) -> list[str | None]:
+            # With full_determinism verl hands the request id to vLLM as is: requests sharing
+            # an id must not overlap there, so an anchor's pairs then go one after the other.
+            if getattr(self.rollout_config, "full_determinism", False):
+                return [await one(k) for k in ks]
+            return list(await asyncio.gather(*(one(k) for k in ks)))
+
+        by_anchor: dict[int, list[int]] = {}
+        for k, (i, _) in enumerate(pairs):
+            by_anchor.setdefault(i, []).append(k)
         start = time.time()
-        answers = await asyncio.gather(*(one(ids) for ids in prompts))
+        results = await asyncio.gather(*(anchor(ks) for ks in by_anchor.values()))
+        answers: list[str | None] = [None] * len(pairs)
+        for ks, got in zip(by_anchor.values(), results):
+            for k, a in zip(ks, got):
+                answers[k] = a
         return {
             "pairs": [list(p) for p in pairs],
-            "answers": list(answers),
-            "truncated": truncated,
+            "answers": answers,
+            # `car/truncated` counts each cut solution once per group, as the native CAR does.
+            "truncated": len(cut),
             "unclosed": sum(a is None for a in answers),
             "start": start,
             "end": time.time(),
         }
+
+    def _prompt_id(self, kwargs: dict[str, Any], prompt_ids: list[int]) -> str:
+        """Stable id of the prompt across steps (the label-flip diagnostic): the dataset's
+        `extra_info.index`; without one (verl would then give every row index 0), a hash of
+        the prompt's tokens, with a warning once per worker."""
+        source = kwargs.get("data_source", "")
+        extra = kwargs.get("extra_info")
+        if isinstance(extra, dict) and extra.get("index") is not None:
+            return f"{source}/{_plain(extra['index'])}"
+        if not self._warned_no_index:
+            self._warned_no_index = True
+            logger.warning(
+                "omgrpo: training rows have no extra_info.index; answers/label_flip_rate uses a "
+                "hash of the prompt tokens as the prompt id (docs/verl.md, data format)"
+            )
+        digest = hashlib.sha1(str(list(prompt_ids)).encode()).hexdigest()[:16]
+        return f"{source}/prompt-{digest}"
 
     async def _score_group(self, group: _Group) -> None:
         sessions = sorted(group.outputs)
@@ -223,7 +291,9 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         car = None
         if om.car.enable:
             seed = f"{kwargs0.get('global_steps')}-{kwargs0['uid']}"
-            car = await self._pair_answers(list(outputs[0].prompt_ids), responses, seed)
+            car = await self._pair_answers(
+                list(outputs[0].prompt_ids), responses, str(kwargs0["uid"]), seed
+            )
         scores: GroupScores = await asyncio.to_thread(
             score_group,
             self.tokenizer,
@@ -233,9 +303,7 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             dict(om.reward.weights),
             car["answers"] if car else None,
         )
-        prompt_id = (
-            f"{kwargs0.get('data_source', '')}/{_plain(kwargs0.get('index', kwargs0['uid']))}"
-        )
+        prompt_id = self._prompt_id(kwargs0, list(outputs[0].prompt_ids))
         for k, (session, output) in enumerate(zip(sessions, outputs)):
             answer, correct = scores.answers[k], scores.correct[k]
             output.reward_score = scores.rewards[k]
@@ -264,7 +332,7 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             group.fields[session] = {
                 ANSWER_MASK_KEY: scores.answer_masks[k],
                 # The format reward (paper §3.1), for the format-only advantage.
-                FORMAT_SCORE_KEY: torch.tensor(float(answer is not None), dtype=torch.float32),
+                FORMAT_SCORE_KEY: torch.tensor(format_score(answer), dtype=torch.float32),
             }
 
 

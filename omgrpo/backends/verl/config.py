@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -135,8 +134,17 @@ def section(cfg: DictConfig) -> DictConfig:
     return node
 
 
+GRPO_EPS = 1e-6
+"""verl's GRPO estimator fixes its epsilon (`compute_grpo_outcome_advantage(epsilon=1e-6)`)."""
+
+
 def validate_section(cfg: DictConfig) -> None:
-    """Fail fast on values the verl backend cannot run, naming the key and the valid options."""
+    """Fail fast on values the verl backend cannot run, naming the key and the valid options.
+
+    Besides the `omgrpo` section this rejects verl settings that would put gradient back on
+    answer tokens behind the outcome mask (entropy bonus, other policy losses, KL in the
+    reward) or make the two backends disagree silently.
+    """
     om = section(cfg)
     unsupported = [p for p in om.reward.parts if p not in SUPPORTED_REWARDS]
     if unsupported:
@@ -147,8 +155,9 @@ def validate_section(cfg: DictConfig) -> None:
     w = float(om.algorithm.answer_weight)
     if not 0.0 <= w <= 1.0:
         raise ValueError(f"omgrpo.algorithm.answer_weight must be in [0, 1], got {w}")
-    if int(om.rollout.n) < 2:
-        raise ValueError(f"omgrpo.rollout.n (G) must be at least 2, got {om.rollout.n}")
+    _check_group_size(cfg, om)
+    _check_masking(cfg)
+    _check_advantage(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
     if mode != "omgrpo":
         raise ValueError(f"trainer.v1.trainer_mode must be 'omgrpo' for OM-GRPO, got {mode!r}")
@@ -160,6 +169,66 @@ def validate_section(cfg: DictConfig) -> None:
         )
     if OmegaConf.select(cfg, "algorithm.adv_estimator") != "grpo":
         raise ValueError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
+
+
+def _check_group_size(cfg: DictConfig, om: DictConfig) -> None:
+    """G: the workers read `actor_rollout_ref.rollout.n`; the presets set it from
+    `omgrpo.rollout.n`, and an override of only one of them must not go unnoticed."""
+    n = OmegaConf.select(cfg, "actor_rollout_ref.rollout.n")
+    if n is None or int(n) < 2:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n (G, rollouts per prompt) must be at least 2 for group "
+            f"rewards and GRPO, got {n!r}"
+        )
+    if int(om.rollout.n) != int(n):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.n={n} but omgrpo.rollout.n={om.rollout.n}: verl's workers "
+            "generate actor_rollout_ref.rollout.n rollouts per prompt; set omgrpo.rollout.n "
+            "(the presets derive actor_rollout_ref.rollout.n from it)"
+        )
+
+
+def _check_masking(cfg: DictConfig) -> None:
+    """verl settings that would put answer-token gradient back behind the outcome mask."""
+    entropy_coeff = OmegaConf.select(cfg, "actor_rollout_ref.actor.entropy_coeff", default=0)
+    if float(entropy_coeff or 0) != 0.0:
+        raise ValueError(
+            f"actor_rollout_ref.actor.entropy_coeff must be 0, got {entropy_coeff}: verl's "
+            "entropy bonus covers every response token, answer tokens included, which undoes "
+            "outcome masking (OM-GRPO masks answer tokens in the PG and KL terms)"
+        )
+    loss_mode = OmegaConf.select(
+        cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", default="vanilla"
+    )
+    if loss_mode != "vanilla":
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode must be 'vanilla', got "
+            f"{loss_mode!r}: omgrpo masks answer tokens by scaling the per-token advantage, "
+            "which is exact only for the token-level clipped surrogate (others, e.g. gspo, "
+            "kl_cov, clip_cov, mix sequence-level ratios or add terms over every token)"
+        )
+    if OmegaConf.select(cfg, "algorithm.use_kl_in_reward", default=False):
+        raise ValueError(
+            "algorithm.use_kl_in_reward must be false: verl's in-reward KL penalty covers every "
+            "response token, answer tokens included, which undoes outcome masking; use the KL "
+            "loss (actor_rollout_ref.actor.use_kl_loss, weighted on answer tokens by omgrpo)"
+        )
+
+
+def _check_advantage(cfg: DictConfig, om: DictConfig) -> None:
+    eps = float(om.algorithm.adv_eps)
+    if eps != GRPO_EPS:
+        raise ValueError(
+            f"omgrpo.algorithm.adv_eps must be {GRPO_EPS} on verl, got {eps}: verl's GRPO "
+            "estimator fixes its epsilon, and the format-only advantage uses the same"
+        )
+    norm = OmegaConf.select(cfg, "algorithm.norm_adv_by_std_in_grpo", default=True)
+    if om.algorithm.format_only and not norm:
+        raise ValueError(
+            "algorithm.norm_adv_by_std_in_grpo=false with omgrpo.algorithm.format_only=true: "
+            "the format-only advantage on answer tokens is std-normalised (as in the native "
+            "trainer), so the two advantages would use different scales"
+        )
 
 
 def missing_keys(cfg: DictConfig) -> list[str]:
@@ -176,7 +245,3 @@ def missing_keys(cfg: DictConfig) -> list[str]:
 def to_yaml(cfg: DictConfig) -> str:
     """The resolved config as YAML (null required keys stay null)."""
     return OmegaConf.to_yaml(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)))
-
-
-def preset_path(experiment: str) -> Path:
-    return VERL_PRESETS_DIR / f"{experiment}.yaml"

@@ -80,7 +80,11 @@ def main(args: list[str]) -> int:
             print("omgrpo train backend=verl: name a preset with experiment=...", file=sys.stderr)
             return 2
         return 0
-    cfg = compose_verl(experiment, overrides)
+    try:
+        cfg = compose_verl(experiment, overrides)
+    except (FileNotFoundError, ValueError) as exc:  # unknown preset, rejected setting
+        print(f"omgrpo train backend=verl: {exc}", file=sys.stderr)
+        return 2
     missing = missing_keys(cfg)
     if dry_run:
         print(to_yaml(cfg), end="")

@@ -17,6 +17,7 @@ losses are equal.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,9 +27,9 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY
-from omgrpo.losses import masked_mean, token_weights
+from omgrpo.losses import token_weights
 
-__all__ = ["omgrpo_ppo_loss"]
+__all__ = ["loss_metric_means", "omgrpo_ppo_loss"]
 
 
 def omgrpo_ppo_loss(
@@ -51,10 +52,12 @@ def omgrpo_ppo_loss(
         answer_weight: w, the KL weight of answer tokens (0 = OM-GRPO).
 
     Returns:
-        ``(loss, metrics)`` as verl's `ppo_loss`, plus `kl/answer`, `kl/reasoning` (mean
-        unweighted KL per token of each kind) when the KL loss is on, and `entropy/answer`,
-        `entropy/reasoning` when the entropy is computed; the trainer logs them under these
-        names (verl prefixes `actor/`).
+        ``(loss, metrics)`` as verl's `ppo_loss`, plus, when the KL loss is on, the sums and
+        token counts of the unweighted KL on answer and reasoning tokens
+        (`kl/answer_sum`, `kl/answer_count`, `kl/reasoning_sum`, `kl/reasoning_count`, summed
+        over micro-batches); the trainer turns them into the token means `kl/answer` and
+        `kl/reasoning` (`loss_metric_means`), so a micro-batch without answer tokens does
+        not pull the mean towards 0.
     """
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy")
@@ -105,7 +108,6 @@ def omgrpo_ppo_loss(
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
     policy_loss = pg_loss
 
-    reasoning = response_mask & ~answer
     if entropy is not None:
         entropy_loss = agg_loss(
             loss_mat=entropy,
@@ -115,9 +117,6 @@ def omgrpo_ppo_loss(
         )
         policy_loss -= config.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
-        with torch.no_grad():
-            metrics["entropy/answer"] = _mean_metric(entropy, answer)
-            metrics["entropy/reasoning"] = _mean_metric(entropy, reasoning)
 
     if config.use_kl_loss:
         kld = kl_penalty(
@@ -134,16 +133,33 @@ def omgrpo_ppo_loss(
         policy_loss += kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
         metrics["kl_coef"] = config.kl_loss_coef
-        with torch.no_grad():
-            metrics["kl/answer"] = _mean_metric(kld, answer)
-            metrics["kl/reasoning"] = _mean_metric(kld, reasoning)
+        metrics.update(_split_sums("kl", kld, answer, response_mask & ~answer))
 
     return policy_loss, metrics
 
 
-def _mean_metric(values: torch.Tensor, mask: torch.Tensor) -> Metric:
-    """Mean over the masked tokens of the micro-batch (0 when none), averaged over
-    micro-batches and ranks like verl's other per-token diagnostics."""
-    return Metric(
-        value=masked_mean(values.detach().float(), mask).item(), aggregation=AggregationType.MEAN
-    )
+def _split_sums(name: str, values: torch.Tensor, answer: torch.Tensor, reasoning: torch.Tensor):
+    """`<name>/answer_sum`, `_count`, `<name>/reasoning_sum`, `_count` of the micro-batch as
+    SUM metrics (one device sync for the four). verl reduces every key the same way (sum over
+    micro-batches, mean over data-parallel ranks and over mini-batches), which scales sums and
+    counts alike, so their ratio is the token mean over the whole step."""
+    with torch.no_grad():
+        v = values.detach().float()
+        stats = torch.stack(
+            [(v * answer).sum(), answer.sum(), (v * reasoning).sum(), reasoning.sum()]
+        ).tolist()
+    keys = (f"{name}/answer_sum", f"{name}/answer_count")
+    keys += (f"{name}/reasoning_sum", f"{name}/reasoning_count")
+    return {k: Metric(value=x, aggregation=AggregationType.SUM) for k, x in zip(keys, stats)}
+
+
+def loss_metric_means(metrics: dict[str, Any], prefix: str = "actor/") -> dict[str, Any]:
+    """Replace the `kl/<kind>_sum` / `_count` pairs (as verl reduced them, under `prefix`) by
+    `kl/answer` and `kl/reasoning` token means (nan when a step has no such token); in place,
+    returns `metrics`."""
+    for kind in ("answer", "reasoning"):
+        total = metrics.pop(f"{prefix}kl/{kind}_sum", None)
+        count = metrics.pop(f"{prefix}kl/{kind}_count", None)
+        if total is not None and count is not None:
+            metrics[f"kl/{kind}"] = float(total) / float(count) if count else math.nan
+    return metrics

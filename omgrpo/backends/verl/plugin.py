@@ -27,14 +27,4 @@ check_version(version("verl"))
 
 from omgrpo.backends.verl.trainer import TRAINER_NAME, OmgrpoTrainer  # noqa: E402  (registers)
 
-__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "check_version", "is_registered"]
-
-
-def is_registered() -> bool:
-    """Whether verl's trainer registry maps `omgrpo` to this plugin's trainer."""
-    from verl.trainer.ppo.v1 import get_trainer_cls
-
-    try:
-        return get_trainer_cls(TRAINER_NAME) is OmgrpoTrainer
-    except ValueError:
-        return False
+__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "check_version"]

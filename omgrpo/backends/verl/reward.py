@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from omgrpo.answers import equivalent, extract_boxed, normalize
-from omgrpo.rewards import compute_rewards, make_group
+from omgrpo.answers import equivalent, extract_boxed, normalize, set_math_verify
+from omgrpo.rewards import compute_rewards, format_score, make_group
 from omgrpo.spans import answer_mask_for_ids
 
 __all__ = ["GroupScores", "compute_score", "label_of", "score_group"]
@@ -47,6 +47,7 @@ def compute_score(
     solution_str: str,
     ground_truth: Any = None,
     extra_info: dict | None = None,
+    math_verify: bool | None = None,
     **kwargs: Any,
 ) -> dict[str, float | str]:
     """Per-sample score (verl's `compute_score` signature).
@@ -54,11 +55,16 @@ def compute_score(
     Returns ``{"score": format reward, "format": same, "acc": 1.0 / 0.0 vs the label (0.0
     without a label), "pred": normalised boxed answer or "[no answer]"}``. The score never
     reads the label, so a run that falls back to per-sample scoring stays label-free.
+    `math_verify` (`omgrpo.reward.math_verify`, passed by the presets through
+    `reward.custom_reward_function.reward_kwargs`) switches the equivalence fallback of `acc`
+    in this process; None leaves it as it is.
     """
+    if math_verify is not None:
+        set_math_verify(bool(math_verify))
     boxed = extract_boxed(solution_str or "")
     answer = boxed.content if boxed is not None else None
     label = label_of(ground_truth)
-    fmt = float(answer is not None)
+    fmt = format_score(answer)
     acc = float(answer is not None and label is not None and equivalent(answer, label))
     return {
         "score": fmt,

@@ -8,10 +8,16 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
   built; a trainer under its own name would otherwise get async behaviour;
 - installs `omgrpo_ppo_loss` (KL weighted on answer tokens) on the actor workers after init;
 - weights the advantages on answer tokens right after verl's GRPO step (`_compute_advantage`);
-- logs omgrpo's metrics: `kl/answer`, `kl/reasoning`, `entropy/answer`, `entropy/reasoning`
-  (from the loss), `reward/*`, `answers/*`, `acc/train`, `car/*` and `collapse/*` (from the
-  rollouts' records), CAR's wall-clock span as `timing_s/car` (inside `timing_s/gen`: CAR runs
-  in the generation stage), and `val/acc` / `val/pass@k` aliases of verl's validation metrics.
+- logs omgrpo's metrics: `kl/answer`, `kl/reasoning` (from the loss), `entropy/answer`,
+  `entropy/reasoning` (from the entropy verl stores in the old-log-prob pass), `reward/*`,
+  `answers/*`, `acc/train`, `car/*` and `collapse/*` (from the rollouts' records), CAR's
+  wall-clock span as `timing_s/car` (inside `timing_s/gen`: CAR runs in the generation stage),
+  and `val/acc` / `val/pass@k` aliases of verl's validation metrics;
+- with `omgrpo.collapse.stop`, ends training after the step in which collapse is detected
+  (the step is logged; verl's loop then exits as after its last step, without an extra
+  checkpoint or validation: the native trainer's `collapsed` stop);
+- applies `omgrpo.reward.math_verify` in the driver (the agent-loop workers and verl's reward
+  workers apply it too).
 """
 
 from __future__ import annotations
@@ -21,37 +27,39 @@ from functools import partial
 from typing import Any
 
 import numpy as np
+import torch
 import transfer_queue as tq
 from omegaconf import OmegaConf
-from tensordict import TensorDict
 from transfer_queue import KVBatchMeta
-from verl import DataProto
 from verl.trainer.distillation import is_distillation_enabled
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.utils.padding import response_to_nested
 
+from omgrpo.answers import set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
-from omgrpo.backends.verl.advantage import apply_answer_weighting
+from omgrpo.backends.verl.advantage import weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
-from omgrpo.backends.verl.loss import omgrpo_ppo_loss
+from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
 from omgrpo.diagnostics import CollapseDetector
 
-__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "rename_loss_metrics"]
+__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
 
 TRAINER_NAME = "omgrpo"
 
-# Metrics the loss reports (verl prefixes them with "actor/") -> omgrpo's names.
-_LOSS_METRICS = ("kl/answer", "kl/reasoning", "entropy/answer", "entropy/reasoning")
 
-
-def rename_loss_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
-    """Move `actor/kl/answer` & co. to omgrpo's names (in place; returns `metrics`)."""
-    for name in _LOSS_METRICS:
-        if f"actor/{name}" in metrics:
-            metrics[name] = metrics.pop(f"actor/{name}")
-    return metrics
+def entropy_split(
+    entropy: torch.Tensor, response_mask: torch.Tensor, answer_mask: torch.Tensor
+) -> dict[str, float]:
+    """`entropy/answer` and `entropy/reasoning`: token means of (B, T) per-token entropies
+    over answer-span and other response tokens (nan when there is none)."""
+    resp = response_mask.bool()
+    answer = answer_mask.bool() & resp
+    out = {}
+    for name, mask in (("entropy/answer", answer), ("entropy/reasoning", resp & ~answer)):
+        count = int(mask.sum())
+        out[name] = float((entropy.float() * mask).sum()) / count if count else math.nan
+    return out
 
 
 def validation_aliases(metrics: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +86,7 @@ class OmgrpoTrainer(PPOTrainerSync):
         if is_distillation_enabled(config.get("distillation")):
             raise ValueError("the omgrpo trainer replaces ppo_loss: disable distillation")
         self.omgrpo = section(config)
+        set_math_verify(bool(self.omgrpo.reward.math_verify))
         self._last_majority: dict[str, str] = {}
         collapse = self.omgrpo.collapse
         self._collapse = CollapseDetector(
@@ -108,28 +117,39 @@ class OmgrpoTrainer(PPOTrainerSync):
         print(self.describe())
         super().on_init_end()
 
+    def _old_entropy_stored(self) -> bool:
+        """verl stores `entropy` in its old-log-prob pass, except in rollout-correction bypass
+        mode (old log-probs taken from the rollout, no forward pass)."""
+        corr = self.config.algorithm.get("rollout_correction", None)
+        return not (corr and corr.get("bypass_mode", False))
+
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
         batch = super()._compute_advantage(batch, metrics)
         algo = self.omgrpo.algorithm
         fields = ["uid", "response_mask", "advantages", ANSWER_MASK_KEY]
         if algo.format_only:
             fields.append(FORMAT_SCORE_KEY)
+        with_entropy = self._old_entropy_stored()
+        if with_entropy:
+            fields.append("entropy")
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
         )
-        nested_mask = data["response_mask"]
-        proto = DataProto(batch=data.to_padded_tensor())
-        proto.non_tensor_batch["uid"] = np.array(proto.batch.pop("uid").tolist(), dtype=object)
-        apply_answer_weighting(
-            proto, float(algo.answer_weight), bool(algo.format_only), float(algo.adv_eps)
+        out = weight_jagged(
+            data.exclude("entropy") if with_entropy else data,
+            float(algo.answer_weight),
+            bool(algo.format_only),
+            float(algo.adv_eps),
         )
-        out = TensorDict(
-            {
-                key: response_to_nested(proto.batch[key], nested_mask)
-                for key in ("advantages", ANSWER_MASK_KEY)
-            },
-            batch_size=len(batch),
-        )
+        if with_entropy:
+            # Padding rows have response_mask 0 (and, after weighting, no answer tokens).
+            metrics.update(
+                entropy_split(
+                    data["entropy"].to_padded_tensor(0.0),
+                    data["response_mask"].to_padded_tensor(0),
+                    out[ANSWER_MASK_KEY].to_padded_tensor(0),
+                )
+            )
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
 
     def _omgrpo_step_metrics(self, batch: KVBatchMeta) -> dict[str, float]:
@@ -141,7 +161,8 @@ class OmgrpoTrainer(PPOTrainerSync):
             partition_id=batch.partition_id,
             select_fields=["uid", "extra_fields", "rm_scores"],
         )
-        extra = data["extra_fields"].tolist()
+        # `get` gives the NonTensorStack (`data[key]` would give a plain linked list).
+        extra = data.get("extra_fields").tolist()
         records = [e.get(RECORD_KEY) if isinstance(e, dict) else None for e in extra]
         if any(r is None for r in records):
             raise RuntimeError(
@@ -150,9 +171,9 @@ class OmgrpoTrainer(PPOTrainerSync):
                 "actor_rollout_ref.rollout.agent.agent_loop_manager_class="
                 "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
             )
-        rewards = [float(x) for x in data["rm_scores"].to_padded_tensor().sum(-1).tolist()]
+        rewards = data.select("rm_scores").to_padded_tensor()["rm_scores"].sum(-1).tolist()
         return step_metrics(
-            data["uid"].tolist(),
+            data.get("uid").tolist(),
             records,
             rewards,
             confident_share=float(self.omgrpo.collapse.confident_share),
@@ -160,7 +181,7 @@ class OmgrpoTrainer(PPOTrainerSync):
         )
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch) -> None:
-        rename_loss_metrics(metrics)
+        loss_metric_means(metrics)
         om_metrics = self._omgrpo_step_metrics(batch)
         if "car/span_s" in om_metrics:
             # verl turns timing_raw[k] into timing_s/k; CAR overlaps generation (timing_s/gen).
@@ -169,10 +190,20 @@ class OmgrpoTrainer(PPOTrainerSync):
         if "answers/unique_per_prompt" in om_metrics:
             if self._collapse.update(global_steps, om_metrics):
                 print(f"omgrpo: collapse detected at step {global_steps}")
+                if self.omgrpo.collapse.stop:
+                    self._stop_after(global_steps)
             detected = self._collapse.state["detected_step"]
             om_metrics["collapse/detected_step"] = math.nan if detected is None else detected
         metrics.update(om_metrics)
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+
+    def _stop_after(self, step: int) -> None:
+        """End training after `step`: verl's `fit` loop runs while `global_steps <=
+        total_training_steps` and increments `global_steps` after logging the step, so it
+        exits (through `on_train_end`) as after a normal last step, minus the last-step
+        checkpoint and validation, like the native trainer's collapse stop."""
+        print(f"omgrpo: omgrpo.collapse.stop=true: ending training after step {step}")
+        self.total_training_steps = step
 
     def _val_metrics_update(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         metrics = super()._val_metrics_update(*args, **kwargs)
