@@ -72,6 +72,7 @@ __all__ = [
     "CarResult",
     "car_diagnostics",
     "car_prompt",
+    "car_text",
     "enumerate_pairs",
     "generate_pair_answers",
     "generate_pair_answers_plain",
@@ -191,10 +192,11 @@ def _prompt_head(tokenizer: Any, question: str) -> str:
 def car_prompt(tokenizer: Any, question: str, solution_1: str, solution_2: str) -> str:
     """The paper's CAR prompt: the model's chat template (system prompt of the paper, the
     question, an open assistant turn) followed by the two solutions and an opened `\\boxed{`."""
-    return _car_text(_prompt_head(tokenizer, question), solution_1, solution_2)
+    return car_text(_prompt_head(tokenizer, question), solution_1, solution_2)
 
 
-def _car_text(head: str, solution_1: str, solution_2: str) -> str:
+def car_text(head: str, solution_1: str, solution_2: str) -> str:
+    """The CAR prompt after a given head (the chat-template part; "" for the tail alone)."""
     return head + CAR_INTRO + solution_1 + CAR_MIDDLE + solution_2 + CAR_OUTRO
 
 
@@ -500,7 +502,7 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
 
     # Rows in (group, anchor, partner) order; anchors are never split across chunks.
     flat = [(g, i, j) for g, ps in enumerate(pairs) for i, j in ps]
-    texts = [_car_text(heads[g], solutions[g][i], solutions[g][j]) for g, i, j in flat]
+    texts = [car_text(heads[g], solutions[g][i], solutions[g][j]) for g, i, j in flat]
     ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     generated: list[list[int]] = []

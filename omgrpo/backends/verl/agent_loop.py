@@ -41,7 +41,7 @@ from omgrpo.answers import normalize, set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.reward import NO_ANSWER, GroupScores, label_of, score_group
-from omgrpo.car import _car_text, enumerate_pairs, parse_pair_answer
+from omgrpo.car import car_text, enumerate_pairs, parse_pair_answer
 from omgrpo.rewards import format_score
 
 __all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
@@ -79,14 +79,14 @@ def car_prompt_ids(
     special = set(tokenizer.all_special_ids)
     sols = [[t for t in s if t not in special] for s in (solution_1, solution_2)]
     budget = max_len - max_new_tokens  # prompt tokens vLLM accepts with room for the answer
-    template = len(tokenizer.encode(_car_text("", "", ""), add_special_tokens=False))
+    template = len(tokenizer.encode(car_text("", "", ""), add_special_tokens=False))
     limit = (budget - len(prompt_ids) - template) // 2
     if max_solution_tokens > 0:
         limit = min(limit, max_solution_tokens)
     while limit >= 1:
         texts = [tokenizer.decode(s[:limit], skip_special_tokens=True) for s in sols]
         ids = list(prompt_ids) + tokenizer.encode(
-            _car_text("", texts[0], texts[1]), add_special_tokens=False
+            car_text("", texts[0], texts[1]), add_special_tokens=False
         )
         over = len(ids) - budget
         if over <= 0:
