@@ -17,6 +17,7 @@ EXPECTED_RUNS = {
     "car_vs_n": 4 * 3,  # om_grpo (CAR, n = 8) vs no CAR at n = 8, 16, 64
     "ttt": 2 * 3,  # mv, om_grpo on toy_ttt
     "base_strength": 2 * 2 * 3,  # toy_weak / toy_strong x mv / om_grpo
+    "collapse_demo": 4 * 1,  # gt, mv, om_grpo w/o CAR, w/o CAR and OMU; seed 0 (make demo)
 }
 
 
@@ -75,11 +76,14 @@ def test_every_expanded_run_composes(name, plans):
 
 
 def test_sweeps_never_share_a_run_directory(plans):
-    """All sweep files write under run.root=runs (one MLflow store): names must not collide,
-    or a W&B agent's second run of a name would find the first one's directory."""
+    """The paper's sweep files write under run.root=runs (one MLflow store): names must not
+    collide, or a W&B agent's second run of a name would find the first one's directory. The
+    demo keeps its runs (and report input) apart in runs/collapse-demo."""
     names = [r.name for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
-    assert {str(r.root) for runs in plans.values() for r in runs} == {"runs"}
+    roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
+    assert roots.pop("collapse_demo") == {"runs/collapse-demo"}
+    assert set.union(*roots.values()) == {"runs"}
 
 
 def test_run_group_defaults_to_the_sweep_file_name(tmp_path):
