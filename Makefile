@@ -18,9 +18,15 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup test lint format demo clean
 
+# setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
+# package itself, so `make demo` on a fresh machine skips the dev and verl installs.
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: $(VENV)/.installed-base
+	$(PY) -m pip install -q -e ".[dev,verl]"
+	touch $@
+
+$(VENV)/.installed-base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -32,7 +38,7 @@ $(VENV)/.installed: pyproject.toml
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 		|| $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
-	$(PY) -m pip install -q -e ".[dev,verl]"
+	$(PY) -m pip install -q -e .
 	touch $@
 
 lint: setup
@@ -54,7 +60,7 @@ DEMO_SEEDS ?= 0
 DEMO_RUNS ?= runs/collapse-demo
 DEMO_REPORT ?= reports/collapse-demo
 
-demo: setup
+demo: $(VENV)/.installed-base
 	@for seed in $(DEMO_SEEDS); do \
 		$(VENV)/bin/omgrpo sweep sweeps/collapse_demo.yaml --jobs 2 seed=$$seed run.root=$(DEMO_RUNS) || exit 1; \
 	done
