@@ -61,7 +61,7 @@ import torch
 from transformers import DynamicCache
 
 from omgrpo.answers import cluster
-from omgrpo.rollout import common_prefix_len, left_pad, sample_next_token
+from omgrpo.rollout import common_prefix_len, left_pad, sample_next_token, stop_token_ids
 from omgrpo.tasks import build_messages
 
 __all__ = [
@@ -200,10 +200,10 @@ def car_text(head: str, solution_1: str, solution_2: str) -> str:
     return head + CAR_INTRO + solution_1 + CAR_MIDDLE + solution_2 + CAR_OUTRO
 
 
-def _scan_close(text: str) -> int:
-    """Index of the `}` closing an already opened `{` (nested braces balanced, `\\{` / `\\}`
-    escaped as in `omgrpo.answers`), or -1 if it never closes."""
-    depth, escaped = 0, False
+def _scan_braces(text: str, depth: int = 0, escaped: bool = False) -> tuple[int, int, bool]:
+    """Scan `text` for the `}` closing an already opened `{` (nested braces balanced, `\\{` /
+    `\\}` escaped as in `omgrpo.answers`), continuing from a brace depth and a pending
+    backslash. Returns (its index or -1, the depth and the pending backslash after the scan)."""
     for k, ch in enumerate(text):
         if escaped:
             escaped = False
@@ -214,8 +214,13 @@ def _scan_close(text: str) -> int:
         elif ch == "}":
             depth -= 1
             if depth < 0:
-                return k
-    return -1
+                return k, depth, escaped
+    return -1, depth, escaped
+
+
+def _scan_close(text: str) -> int:
+    """Index of the `}` closing an already opened `{`, or -1 if it never closes."""
+    return _scan_braces(text)[0]
 
 
 def parse_pair_answer(text: str) -> str | None:
@@ -359,29 +364,10 @@ class _BraceTracker:
         return self.pieces[tok]
 
     def closes(self, row: int, tok: int) -> bool:
-        depth, escaped = self.depth[row], self.escaped[row]
-        for ch in self.piece(tok):
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
-                if depth < 0:
-                    return True
-        self.depth[row], self.escaped[row] = depth, escaped
-        return False
-
-
-def _stop_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
-    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen = getattr(model, "generation_config", None)
-    extra = getattr(gen, "eos_token_id", None)
-    if extra is not None:
-        stops.update(extra if isinstance(extra, list) else [extra])
-    return stops
+        close, self.depth[row], self.escaped[row] = _scan_braces(
+            self.piece(tok), self.depth[row], self.escaped[row]
+        )
+        return close >= 0
 
 
 def _decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg) -> list[list[int]]:
@@ -391,7 +377,7 @@ def _decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg) -> lis
     piece included, eos excluded)."""
     device = mask.device
     n_rows = logits.shape[0]
-    stops = _stop_ids(model, tokenizer)
+    stops = set(stop_token_ids(tokenizer, model))
     braces = _BraceTracker(tokenizer, n_rows)
     out: list[list[int]] = [[] for _ in range(n_rows)]
     batch = list(range(n_rows))  # row at each batch position, -1 once it has stopped

@@ -281,3 +281,16 @@ def score(
                 mean_logp = torch.log_softmax(logits, -1).mean(-1)
                 out["self_certainty"].append((-mean_logp - math.log(logits.shape[-1])).cpu())
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Tokens that end a response: the tokenizer's eos, the model's generation-config eos
+    ids, and the chat template's end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    for token in ("<|im_end|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)

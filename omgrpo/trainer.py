@@ -52,7 +52,7 @@ from omgrpo.models.loading import (
     resolve_dtype,
 )
 from omgrpo.rewards import compute_rewards, get_reward, make_group
-from omgrpo.rollout import Sequences, response_logits, sample, score
+from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
 from omgrpo.tasks import TASKS, Problem, build_messages, load_task
@@ -417,19 +417,6 @@ class PromptEncoder:
                 )
             self.cache[problem.question] = ids
         return self.cache[problem.question]
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """Tokens that end a response: the tokenizer's eos, the model's generation-config eos
-    ids, and the chat template's end-of-turn token when the vocabulary has one."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    for token in ("<|im_end|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
