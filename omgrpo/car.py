@@ -61,7 +61,13 @@ import torch
 from transformers import DynamicCache
 
 from omgrpo.answers import cluster
-from omgrpo.rollout import common_prefix_len, left_pad, sample_next_token, stop_token_ids
+from omgrpo.rollout import (
+    common_prefix_len,
+    decode_step,
+    left_pad,
+    sample_next_token,
+    stop_token_ids,
+)
 from omgrpo.tasks import build_messages
 
 __all__ = [
@@ -407,14 +413,7 @@ def _decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg) -> lis
             toks = toks.masked_fill(stopped, pad)
         ones = torch.ones((len(batch), 1), dtype=mask.dtype, device=device)
         mask = torch.cat([mask, ones], dim=-1)
-        logits = model(
-            input_ids=toks[:, None],
-            attention_mask=mask,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
+        logits = decode_step(model, toks, mask, next_pos, cache)
         next_pos = next_pos + 1
     return out
 

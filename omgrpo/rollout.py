@@ -120,23 +120,17 @@ def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pa
     stops = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=device)
     batch = len(prompts)
     logits, cache, mask, next_pos = shared_prefix_forward(model, prompts, pad_id, use_cache=True)
+    logits = logits[:, -1, :]
     tokens, alive = [], torch.ones(batch, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
-        tok = sample_next_token(logits[:, -1, :], temperature, top_p)
+        tok = sample_next_token(logits, temperature, top_p)
         tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
         tokens.append(tok)
         alive = alive & ~torch.isin(tok, stops)
         if not alive.any():
             break
         mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], -1)
-        logits = model(
-            input_ids=tok[:, None],
-            attention_mask=mask,
-            position_ids=next_pos,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
+        logits = decode_step(model, tok, mask, next_pos, cache)
         next_pos = next_pos + 1
     response = torch.stack(tokens, dim=1)
     # A token is part of the response up to and including the first eos.
@@ -146,6 +140,19 @@ def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pa
     response = response.masked_fill(response_mask == 0, pad_id)
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
     return Sequences(prompt_ids, prompt_mask, response.cpu(), response_mask.cpu())
+
+
+def decode_step(model: torch.nn.Module, tokens, mask, positions, cache) -> torch.Tensor:
+    """Next-token logits (B, V) after feeding one new token per row on top of a KV cache
+    (`mask` already includes the new position)."""
+    return model(
+        input_ids=tokens[:, None],
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1, :]
 
 
 def _concat(parts: list[Sequences], pad_id: int) -> Sequences:
