@@ -208,6 +208,9 @@ class TrainerConfig:
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk."""
+    keep_best: str | None = "val/acc"
+    """Also keep the checkpoint with the best value of this logged metric (validation split),
+    for `omgrpo eval --checkpoint best`; null keeps only the newest."""
     log_rollouts_every: int = 5
     """Write the step's rollouts to the run store every N steps (and at step 1)."""
     max_consecutive_skips: int = 3

@@ -102,10 +102,33 @@ class RunStore:
         done = [p for p in self.checkpoints_dir.glob("step_*") if (p / "COMPLETE").exists()]
         return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
 
-    def prune_checkpoints(self, keep: int) -> None:
+    def complete_checkpoints(self) -> dict[int, Path]:
+        """Step -> directory of every completely written checkpoint."""
+        done = [p for p in self.checkpoints_dir.glob("step_*") if (p / "COMPLETE").exists()]
+        return {int(p.name.split("_")[1]): p for p in sorted(done)}
+
+    def best_checkpoint(self, metric: str) -> tuple[int, float, dict[int, float]] | None:
+        """The complete checkpoint whose step logged the highest `metric` (ties: the later
+        step): (step, value, every candidate step -> value), or None if none logged it."""
+        df = self.read_metrics()
+        if metric not in df.columns:
+            return None
+        values = pd.to_numeric(df.set_index("train/step")[metric], errors="coerce").dropna()
+        candidates = {s: float(values[s]) for s in self.complete_checkpoints() if s in values}
+        if not candidates:
+            return None
+        step = max(candidates, key=lambda s: (candidates[s], s))
+        return step, candidates[step], candidates
+
+    def prune_checkpoints(self, keep: int, keep_best: str | None = None) -> None:
+        """Keep the newest `keep` checkpoints, and with `keep_best` also the best one by that
+        metric (so `omgrpo eval --checkpoint best` finds it after later ones are written)."""
         done = sorted(self.checkpoints_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        best = self.best_checkpoint(keep_best) if keep_best else None
+        protect = self.checkpoint_dir(best[0]) if best else None
         for path in done[: max(0, len(done) - keep)]:
-            shutil.rmtree(path, ignore_errors=True)
+            if path != protect:
+                shutil.rmtree(path, ignore_errors=True)
 
     # -- status ---------------------------------------------------------------------------
     def write_status(self, **status: Any) -> None:

@@ -55,7 +55,7 @@ from omgrpo.rewards import compute_rewards, get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tasks import SYSTEM_PROMPT, TASKS, Problem, build_messages, load_task
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -349,7 +349,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                     loop_state=loop,
                     config=config,
                 )
-                store.prune_checkpoints(cfg.trainer.keep_checkpoints)
+                store.prune_checkpoints(cfg.trainer.keep_checkpoints, cfg.trainer.keep_best)
             store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
             bar.set_postfix(
                 reward=f"{metrics['reward/total']:.2f}",
@@ -397,12 +397,13 @@ def check_config(cfg) -> None:
 class PromptEncoder:
     """Question -> prompt token ids through the model's chat template (paper's template)."""
 
-    def __init__(self, tokenizer, max_len: int):
+    def __init__(self, tokenizer, max_len: int, system_prompt: str = SYSTEM_PROMPT):
         self.tokenizer, self.max_len, self.cache = tokenizer, max_len, {}
+        self.system_prompt = system_prompt
 
     def __call__(self, problem: Problem) -> list[int]:
         if problem.question not in self.cache:
-            messages = build_messages(problem.question)
+            messages = build_messages(problem.question, self.system_prompt)
             if self.tokenizer.chat_template:
                 text = self.tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=True
