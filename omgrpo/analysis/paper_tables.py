@@ -225,7 +225,7 @@ def _rows_table(
     for variant in methods:
         if variant not in present:
             command = _sweep_cmd(name, suite)
-            row = {c: command for c in columns[2:-1 - len(extra or {})]} or {"Avg.": command}
+            row = {c: command for c in columns[2 : -1 - len(extra or {})]} or {"Avg.": command}
             rows.append({"method": LABELS.get(variant, variant), "seeds": "0", **row})
     frame = pd.DataFrame(rows, columns=columns).fillna("")
     return EvalTable(name, TITLES[name], frame, _notes(suite, checkpoint))
@@ -351,15 +351,30 @@ def write_tables(sources: Sequence[str | Path], out_dir: str | Path, checkpoint=
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tables = all_eval_tables(df, checkpoint)
-    md = ["# Tables from benchmark evaluations", ""]
     for key, table in tables.items():
         stem = key.replace("/", "__")
         (out / f"{stem}.md").write_text(f"## {table.title}\n\n{table.markdown}\n")
         (out / f"{stem}.tex").write_text(table.latex + "\n")
-        md += [f"## {table.title}" + (f" ({key})" if "/" in key else ""), "", table.markdown, ""]
     path = out / "tables.md"
-    path.write_text("\n".join(md))
+    path.write_text("\n".join(["# Tables from benchmark evaluations", "", *_markdown(tables)]))
     return path
+
+
+def eval_tables_section(sources: Sequence[str | Path], checkpoint: str = "last") -> list[str]:
+    """Markdown lines of the benchmark tables for `omgrpo report` (nothing without evals)."""
+    df = load_evals(*sources)
+    if df.empty:
+        return []
+    tables = all_eval_tables(df, checkpoint)
+    return ["## Benchmark evaluations (`omgrpo eval`)", "", *_markdown(tables, level="###")]
+
+
+def _markdown(tables: dict[str, EvalTable], level: str = "##") -> list[str]:
+    lines = []
+    for key, table in tables.items():
+        suffix = f" ({key})" if "/" in key else ""
+        lines += [f"{level} {table.title}{suffix}", "", table.markdown, ""]
+    return lines
 
 
 # ----------------------------------------------------------------------------------------

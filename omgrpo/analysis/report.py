@@ -1,6 +1,7 @@
 """`write_report(run_dirs, out_dir)`: one markdown report of a set of runs.
 
 out_dir/report.md      title, per-run table with a collapse verdict, the tables, the
+                       benchmark tables when the runs have `omgrpo eval` summaries, the
                        figures that could be drawn (and why the others could not), and
                        every run's resolved config (collapsed)
 out_dir/figures/       the figures, PNG + PDF
@@ -28,6 +29,7 @@ from omgrpo.analysis.load import (
     read_status,
     verdict,
 )
+from omgrpo.analysis.paper_tables import eval_tables_section
 from omgrpo.analysis.tables import (
     TABLE_TITLES,
     Table,
@@ -113,6 +115,9 @@ def write_report(
             lines += [f"### {table.title}", "", table.markdown, ""]
         else:
             lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
+
+    # -- benchmark evaluations (omgrpo eval), when there are any -------------------------
+    lines += eval_tables_section(sources)
 
     # -- figures -------------------------------------------------------------------------
     lines += ["## Figures", ""]
