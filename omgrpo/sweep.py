@@ -378,8 +378,17 @@ def _evaluate(runs: list[Run], suite: str, checkpoints: list[str], jobs: int) ->
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
     def one(run: Run, checkpoint: str) -> tuple[Run, str, int]:
-        cmd = [sys.executable, "-m", "omgrpo", "eval", str(run.dir), "--suite", suite,
-               "--checkpoint", checkpoint]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "omgrpo",
+            "eval",
+            str(run.dir),
+            "--suite",
+            suite,
+            "--checkpoint",
+            checkpoint,
+        ]
         with run.log.open("a") as log:
             log.write(f"=== omgrpo sweep: {' '.join(cmd)}\n")
             log.flush()

@@ -45,12 +45,24 @@ LABELS = {
     "om_grpo_no_car_n64": "w/o CAR (n=64)",
 }
 MAIN = ("gt", "om_grpo", "mv", "self_certainty", "entropy", "coreward")
-ABLATIONS = ("om_grpo", "om_grpo_no_soft", "om_grpo_no_car", "om_grpo_no_omu",
-             "om_grpo_no_car_no_omu", "gt", "mv")  # fmt: skip
+ABLATIONS = (
+    "om_grpo",
+    "om_grpo_no_soft",
+    "om_grpo_no_car",
+    "om_grpo_no_omu",
+    "om_grpo_no_car_no_omu",
+    "gt",
+    "mv",
+)
 CAR_VS_N = ("om_grpo", "om_grpo_no_car_n8", "om_grpo_no_car_n16", "om_grpo_no_car_n64")
 TTT = ("mv", "om_grpo")
-SWEEP = {"main": "main_table", "pass_at_k": "main_table", "ablations": "ablations",
-         "car_vs_n": "car_vs_n", "ttt": "ttt"}  # fmt: skip
+SWEEP = {
+    "main": "main_table",
+    "pass_at_k": "main_table",
+    "ablations": "ablations",
+    "car_vs_n": "car_vs_n",
+    "ttt": "ttt",
+}
 TITLES = {
     "main": "Main results (avg@k, %)",
     "pass_at_k": "Pass@k (%)",
@@ -141,8 +153,9 @@ def load_evals(*sources: str | Path) -> pd.DataFrame:
         return df
     # The same evaluation can be found twice (its copy in an MLflow artifact store): keep one,
     # preferring the copy inside the evaluated run directory.
-    df["_home"] = [str(Path(s).parent.parent.parent) == str(t) for s, t in zip(df["summary"],
-                   df["run_dir"])]  # fmt: skip
+    df["_home"] = [
+        str(Path(s).parent.parent.parent) == str(t) for s, t in zip(df["summary"], df["run_dir"])
+    ]
     df = df.sort_values("_home", ascending=False, kind="stable")
     df = df.drop_duplicates(["run_dir", "label", "benchmark"]).drop(columns="_home")
     return df.sort_index().reset_index(drop=True)
@@ -282,8 +295,9 @@ def car_vs_n_table(df, suite, checkpoint="last") -> EvalTable:
                 step_s[key] = f"{np.mean([t.mean() for t in per_run]):.2f}"
                 total[key] = f"{np.mean([t.sum() for t in per_run]) / 60:.1f}"
     extra = {"time/step (s)": step_s, "train time (min)": total}
-    return _rows_table(_of(df, suite), part, "car_vs_n", CAR_VS_N, ["avg"], suite, checkpoint,
-                       extra)  # fmt: skip
+    return _rows_table(
+        _of(df, suite), part, "car_vs_n", CAR_VS_N, ["avg"], suite, checkpoint, extra
+    )
 
 
 def _step_times(run_dir: str) -> pd.Series | None:
@@ -380,8 +394,18 @@ def _markdown(tables: dict[str, EvalTable], level: str = "##") -> list[str]:
 # ----------------------------------------------------------------------------------------
 # LaTeX
 # ----------------------------------------------------------------------------------------
-_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
-        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}  # fmt: skip
+_TEX = {
+    "\\": r"\textbackslash{}",
+    "&": r"\&",
+    "%": r"\%",
+    "$": r"\$",
+    "#": r"\#",
+    "_": r"\_",
+    "{": r"\{",
+    "}": r"\}",
+    "~": r"\textasciitilde{}",
+    "^": r"\^{}",
+}
 
 
 def _tex(text: str) -> str:

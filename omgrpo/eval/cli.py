@@ -42,6 +42,7 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--backend", default="native", choices=BACKENDS)
     parser.add_argument("--batch-size", type=int, default=256, help="rollouts sampled at once")
     parser.add_argument("--device", default="auto", help="auto (the run's), cpu, cuda[:N]")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", help="output folder (one target only)")
     parser.add_argument("--no-track", action="store_true", help="do not log to MLflow / W&B")
     ns = _parse(parser, argv)
@@ -50,6 +51,10 @@ def eval_main(argv: list[str]) -> int:
     if ns.out and len(ns.targets) > 1:
         print("omgrpo eval: error: --out takes one target", file=sys.stderr)
         return 2
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
     try:
         suite = load_suite(ns.suite)
         for target in ns.targets:
