@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
+from omgrpo.analysis.cli import _fail, _parse
 from omgrpo.eval.sampler import BACKENDS
-
-
-def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
 
 
 def eval_main(argv: list[str]) -> int:
@@ -49,8 +42,7 @@ def eval_main(argv: list[str]) -> int:
     if isinstance(ns, int):
         return ns
     if ns.out and len(ns.targets) > 1:
-        print("omgrpo eval: error: --out takes one target", file=sys.stderr)
-        return 2
+        return _fail("omgrpo eval", "--out takes one target")
     if ns.threads:
         import torch
 
@@ -79,8 +71,7 @@ def eval_main(argv: list[str]) -> int:
         ImportError,
         ValueError,
     ) as e:
-        print(f"omgrpo eval: error: {e}", file=sys.stderr)
-        return 2
+        return _fail("omgrpo eval", str(e))
     return 0
 
 
@@ -123,7 +114,6 @@ def data_main(argv: list[str]) -> int:
             limit=ns.limit,
         )
     except (FileNotFoundError, BenchmarkDataError, ImportError, ValueError) as e:
-        print(f"omgrpo data convert: error: {e}", file=sys.stderr)
-        return 2
+        return _fail("omgrpo data convert", str(e))
     print(f"wrote {n} problems to {path}")
     return 0
