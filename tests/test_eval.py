@@ -166,6 +166,93 @@ def test_best_checkpoint_never_selects_on_test_data(tmp_path):
         choose_checkpoint(tmp_path, "best", {"task": {}}, split="test")
 
 
+def _fake_run(root, val_acc_by_step):
+    """A run directory with complete checkpoints at the given steps and their val/acc."""
+    from omgrpo.store import RunStore
+
+    store = RunStore(root / "run")
+    for step, acc in val_acc_by_step.items():
+        store.checkpoint_dir(step).mkdir(parents=True)
+        (store.checkpoint_dir(step) / "COMPLETE").write_text(str(step))
+        store.log_metrics(step, {"val/acc": acc})
+    return store
+
+
+def test_checkpoint_choice_and_keep_best(tmp_path):
+    store = _fake_run(tmp_path, {10: 0.4, 20: 0.7, 30: 0.5, 40: 0.6})
+    config = {"task": {"name": "toy"}}
+    best = choose_checkpoint(store.dir, "best", config)
+    assert (best.step, best.selected_by["value"]) == (20, 0.7)
+    assert best.selected_by["candidates"] == {10: 0.4, 20: 0.7, 30: 0.5, 40: 0.6}
+    assert choose_checkpoint(store.dir, "last", config).step == 40
+    assert choose_checkpoint(store.dir, "step_30", config).path.endswith("step_000030")
+    assert choose_checkpoint(store.dir, "base", config).path is None
+    with pytest.raises(CheckpointError, match="available: step_10, step_20, step_30, step_40"):
+        choose_checkpoint(store.dir, "step_5", config)
+    store.prune_checkpoints(1, keep_best="val/acc")  # the newest and the best survive
+    assert sorted(store.complete_checkpoints()) == [20, 40]
+    store.prune_checkpoints(1)
+    assert sorted(store.complete_checkpoints()) == [40]
+
+
+def test_vllm_backend_maps_the_settings_and_returns_the_native_format(monkeypatch):
+    """The vLLM adapter against a stand-in `vllm` module (vLLM itself needs a GPU)."""
+    import sys
+    import types
+
+    from omgrpo.eval.sampler import VLLMSampler
+    from omgrpo.eval.suite import BenchmarkSpec
+    from omgrpo.models.tokenizer import build_char_tokenizer
+    from omgrpo.tasks.base import Problem
+
+    calls = {}
+
+    class LLM:
+        def __init__(self, model, dtype, **kwargs):
+            calls["model"] = model
+
+        def generate(self, prompts, params, use_tqdm):
+            calls["prompts"], calls["params"] = prompts, params
+            out = types.SimpleNamespace
+            return [
+                out(outputs=[out(text=f"{i}-{j}") for j in range(params.n)])
+                for i in range(len(prompts))
+            ]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    sampler = VLLMSampler("/models/x", build_char_tokenizer())
+    spec = BenchmarkSpec("b", "b.jsonl", k=3, temperature=0.7, top_p=0.9, max_new_tokens=11)
+    texts = sampler.generate([Problem("p0", "1+1", "2"), Problem("p1", "2+2", "4")], spec)
+    assert texts == [["0-0", "0-1", "0-2"], ["1-0", "1-1", "1-2"]]
+    p = calls["params"]
+    assert (p.n, p.temperature, p.top_p, p.max_tokens) == (3, 0.7, 0.9, 11)
+    assert calls["prompts"][0]["prompt_token_ids"]  # the trainer's rendered prompt
+
+
+def test_sweep_eval_step_runs_omgrpo_eval_on_finished_runs(tmp_path, monkeypatch):
+    import subprocess
+
+    from omgrpo import sweep
+
+    runs = []
+    for name, state in (("a", "finished"), ("b", "failed")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "status.json").write_text(json.dumps({"state": state}))
+        runs.append(sweep.Run(name, tmp_path, [], "skip"))
+    seen = []
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda cmd, **kw: seen.append(cmd[3:]) or subprocess.CompletedProcess(cmd, 0),
+    )
+    assert sweep._evaluate(runs, "toy", ["base", "last"], jobs=1) == 0
+    assert sorted(seen) == [
+        ["eval", str(tmp_path / "a"), "--suite", "toy", "--checkpoint", c] for c in ("base", "last")
+    ]
+
+
 # -- end to end ---------------------------------------------------------------------------
 @pytest.fixture
 def one_thread():
