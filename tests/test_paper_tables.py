@@ -127,3 +127,14 @@ def test_tables_cli_writes_markdown_and_latex(evals, tmp_path, capsys):
     assert {p.name for p in out.iterdir()} >= {"tables.md", "main.md", "main.tex", "ttt.tex"}
     assert "60.00 ± 24.84" in (out / "tables.md").read_text()
     assert main(["tables", str(tmp_path / "nothing_here"), "--out", str(out)]) == 2
+
+
+def test_report_section_only_when_evals_exist(evals, tmp_path):
+    from omgrpo.analysis.paper_tables import eval_tables_section
+
+    lines = eval_tables_section([evals])
+    assert lines[0] == "## Benchmark evaluations (`omgrpo eval`)"
+    assert any("60.00 ± 24.84" in line for line in lines)
+    empty = tmp_path / "no_evals"
+    empty.mkdir()
+    assert eval_tables_section([empty]) == []
