@@ -31,7 +31,14 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from omgrpo.answers import equivalent, extract_boxed, set_math_verify
+from omgrpo.answers import (
+    GradingBudget,
+    equivalent,
+    extract_boxed,
+    grading_scope,
+    set_math_verify,
+    use_grading_budget,
+)
 from omgrpo.car import generate_pair_answers, top_vote_metrics
 from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
@@ -162,7 +169,8 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         tags=list(cfg.run.tags),
         resume=checkpoint is not None,
     )
-    with tracker:  # ends the trackers' runs as finished / failed / killed
+    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
+    with tracker, grading_scope():
         val_problems = splits.val[: cfg.eval.num_prompts]
         if start == 0 and cfg.eval.every > 0 and val_problems:
             metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
@@ -180,6 +188,10 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         last_val: dict[str, float] = {}
         for step in bar:
             timer = StageTimer(device)
+            # all of this step's answer comparisons share one budget (omgrpo.answers)
+            grading = use_grading_budget(
+                GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
+            )
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
@@ -306,6 +318,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 **update,
                 "lr": scheduler.get_last_lr()[0],
                 "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
+                "answers/grading_timeouts": grading.timeouts,
             }
             timer.seconds["step"] = sum(timer.seconds.values())
             metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
