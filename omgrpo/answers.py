@@ -569,6 +569,8 @@ def _sympy_numbers_equal(a: Any, a_ulp: Fraction | None, b: Any, b_ulp: Fraction
     from omgrpo.exact import values_match
 
     a, b = _exact_sympy(a), _exact_sympy(b)
+    if not (a.is_finite and b.is_finite):  # infinities, nan, or finiteness unknown
+        return bool(a == b)
     if a.is_Rational and b.is_Rational:
         return values_match(
             Fraction(int(a.p), int(a.q)), a_ulp, Fraction(int(b.p), int(b.q)), b_ulp
