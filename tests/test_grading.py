@@ -177,7 +177,11 @@ def _spellings(value: Fraction) -> list[str]:
         digits = str(p * 10**k // q).rjust(k + 1, "0")
         decimal = digits[:-k] + "." + digits[-k:] if k else digits
         out.append(sign + decimal + ("0" if k else ""))
-        out.append(f"{sign}{p * 10**k // q}\\times10^{{{-k}}}")
+        mantissa, exponent = p * 10**k // q, -k
+        while mantissa and mantissa % 10 == 0:
+            mantissa, exponent = mantissa // 10, exponent + 1
+        out.append(f"{sign}{mantissa}\\times10^{{{exponent}}}")
+        out.append(f"{sign}{mantissa}\\cdot 10^{{{exponent}}}")
     if q == 1 and p >= 1000 and p < 10**12:
         out.append(f"{sign}{p:,}")  # thousands separators
     return out
