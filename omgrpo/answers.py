@@ -472,18 +472,9 @@ def _active_budget() -> GradingBudget:
 
 
 def set_math_verify(enabled: bool) -> None:
-    """Turn the math-verify fallback on/off (off: only normalised/exact equality count).
-
-    On, the worker pool is started now (~2-3 s once per process), so that the first training
-    step that needs it does not pay for the start out of its grading budget.
-    """
+    """Turn the math-verify fallback on/off (off: only normalised/exact equality count)."""
     global _MATH_VERIFY_ENABLED
     _MATH_VERIFY_ENABLED = bool(enabled)
-    if _MATH_VERIFY_ENABLED:
-        try:
-            _get_pool()
-        except Exception:  # no worker can start here: pairs will count as timeouts
-            logger.warning("could not start the math-verify worker", exc_info=True)
 
 
 # ---- worker side (runs in the pool process; sympy / math-verify are imported only there) ----
@@ -614,10 +605,41 @@ def _shutdown_pool() -> None:
             pass
 
 
-def _get_pool() -> Any:
+_FORK = "fork" in multiprocessing.get_all_start_methods()
+_WARM: dict[int, threading.Event] = {}  # pid -> set once this process has warmed up sympy
+
+
+def _warm_up() -> None:
+    """Import and exercise sympy / math-verify in this process (~2-5 s), so that every worker
+    forked from it afterwards, restarts after a kill included, is ready in milliseconds."""
+    try:
+        _mv_init()
+        _mv_worker(("x+1", None, None), ("1+x", None, None))
+    except Exception:
+        logger.warning("math-verify warm-up failed", exc_info=True)
+    finally:
+        _WARM[os.getpid()].set()
+
+
+def _get_pool(wait: float) -> Any:
+    """The worker pool, or None if it is not ready within `wait` seconds.
+
+    With fork, the warm-up runs once per process in a background thread and the pool is built
+    after it, so the caller waits at most `wait` (its budget) and never blocks training for the
+    import; a caller that runs out of time counts a timeout and a later one finds it ready.
+    """
     global _POOL, _POOL_PID
+    pid = os.getpid()
+    if _FORK:
+        with _POOL_LOCK:
+            if pid not in _WARM:
+                _WARM[pid] = threading.Event()
+                threading.Thread(
+                    target=_warm_up, name="omgrpo-math-verify-warm-up", daemon=True
+                ).start()
+        if not _WARM[pid].wait(timeout=max(wait, 0.0)):
+            return None
     with _POOL_LOCK:
-        pid = os.getpid()
         if _POOL is not None and pid == _POOL_PID and _POOL.active:
             return _POOL
         # None yet, inherited through fork() (unusable in the child), or stopped: build anew.
@@ -627,17 +649,10 @@ def _get_pool() -> Any:
         # fork where available: spawn/forkserver re-import the caller's __main__, which re-runs
         # any unguarded user script inside the worker. The forked worker only runs sympy /
         # math-verify code, never torch or CUDA, so inheriting the trainer's state is harmless.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        if method == "fork":
-            # Imported and warmed up here once (~2 s), a worker that pebble restarts after a
-            # kill is a bare fork that answers in milliseconds, instead of paying 2-3 s of
-            # imports and first-parse setup out of the grading budget each time.
-            _mv_init()
-            _mv_worker(("x+1", None, None), ("1+x", None, None))
         _POOL = ProcessPool(
             max_workers=1,
             initializer=_mv_init,
-            context=multiprocessing.get_context(method),
+            context=multiprocessing.get_context("fork" if _FORK else "spawn"),
         )
         _POOL_PID = pid
         return _POOL
@@ -671,9 +686,9 @@ def _worker_equal(x: _Side, y: _Side, budget: GradingBudget) -> bool:
     t0 = time.monotonic()
     future, wait = None, 0.0
     try:
-        pool = _get_pool()  # (started at most once per process: see `set_math_verify`)
+        pool = _get_pool(budget.left())
         wait = min(budget.pair_timeout, budget.left() - (time.monotonic() - t0))
-        if wait <= 0:
+        if pool is None or wait <= 0:
             raise TimeoutError
         future = pool.schedule(_mv_worker, args=(x, y), timeout=wait)
         outcome = bool(future.result(timeout=wait + _RESULT_GRACE_S))
