@@ -229,8 +229,8 @@ def _remove_spaces(s: str) -> str:
     return _SPACES.sub(repl, s)
 
 
-def _read_arg(s: str, i: int) -> tuple[str, int] | None:
-    """Read one macro argument at ``s[i:]``; return it braced, plus the index after it."""
+def _read_arg(s: str, i: int, partners: dict[int, int]) -> tuple[int, int, bool] | None:
+    """One macro argument at ``s[i:]`` (after spaces): (start, end, already braced)."""
     n = len(s)
     while i < n and s[i] == " ":
         i += 1
@@ -238,51 +238,66 @@ def _read_arg(s: str, i: int) -> tuple[str, int] | None:
         return None
     c = s[i]
     if c == "{":
-        close = _match_brace(s, i)
-        if close < 0:
-            return None
-        return s[i : close + 1], close + 1
+        close = partners.get(i, -1)
+        return None if close < 0 else (i, close + 1, True)
     if c == "\\":
         j = i + 1
         while j < n and s[j].isalpha():
             j += 1
         if j == i + 1:  # control symbol like `\{`
             j = min(i + 2, n)
-        return "{" + s[i:j] + "}", j
+        return i, j, False
     if c in "}^_&=,()[]":
         return None
-    return "{" + c + "}", i + 1
+    return i, i + 1, False
 
 
 def _fix_frac_sqrt(s: str) -> str:
-    """``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (handles nesting)."""
+    """``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (nested too), in linear time.
+
+    Every macro's arguments are read in the original string (braces matched once), and the
+    edits are only added braces and dropped spaces, applied together at the end.
+    """
     if "\\frac" not in s and "\\sqrt" not in s:
         return s
-    # Right to left, so fixing an inner/later macro never shifts an earlier match's offset.
-    for m in reversed(list(_FRAC_OR_SQRT.finditer(s))):
+    partners = _brace_partners(s)
+    opens: dict[int, int] = {}  # index -> `{` to insert before it
+    closes: dict[int, int] = {}  # index -> `}` to insert before it
+    drops: dict[int, int] = {}  # start -> end of spaces to drop before an argument
+    token_end = 0  # end of the last bare token braced: a macro inside it is that argument
+    for m in _FRAC_OR_SQRT.finditer(s):
+        if m.start() < token_end:  # e.g. the `\sqrt` of `\frac\sqrt2`
+            continue
         pos = m.end()
-        pieces: list[str] = []
-        if m.group(1) == "sqrt":
-            if pos < len(s) and s[pos] == "[":  # optional root index `\sqrt[3]{x}`
-                close = s.find("]", pos)
-                if close < 0:
-                    continue
-                pieces.append(s[pos : close + 1])
-                pos = close + 1
-            nargs = 1
-        else:
-            nargs = 2
-        for _ in range(nargs):
-            arg = _read_arg(s, pos)
+        if m.group(1) == "sqrt" and pos < len(s) and s[pos] == "[":  # root index `\sqrt[3]{x}`
+            close = s.find("]", pos)
+            if close < 0:
+                continue
+            pos = close + 1
+        args: list[tuple[int, int, int, bool]] = []  # (spaces start, start, end, braced)
+        for _ in range(1 if m.group(1) == "sqrt" else 2):
+            arg = _read_arg(s, pos, partners)
             if arg is None:
                 break
-            pieces.append(arg[0])
+            args.append((pos, *arg))
             pos = arg[1]
         else:
-            fixed = "".join(pieces)
-            if fixed != s[m.end() : pos]:  # rebuild only when needed (keeps clean input linear)
-                s = s[: m.end()] + fixed + s[pos:]
-    return s
+            for before, start, end, braced in args:
+                if start > before:
+                    drops[before] = start
+                if not braced:
+                    opens[start] = opens.get(start, 0) + 1
+                    closes[end] = closes.get(end, 0) + 1
+                    token_end = max(token_end, end)
+    if not (opens or drops):
+        return s
+    out: list[str] = []
+    last = 0
+    for p in sorted(opens.keys() | closes.keys() | drops.keys()):
+        out.append(s[last:p] + "}" * closes.get(p, 0) + "{" * opens.get(p, 0))
+        last = drops.get(p, p)
+    out.append(s[last:])
+    return "".join(out)
 
 
 def _brace_partners(s: str) -> dict[int, int]:

@@ -28,7 +28,7 @@ APPROX_DIGITS = 6
 MAX_BITS = 100_000
 """Largest numerator/denominator (in bits) a power may produce; larger powers are not evaluated."""
 
-_MAX_DEPTH = 200  # nesting of groups; deeper input is left to the symbolic grader
+_MAX_DEPTH = 50  # nesting of groups and signs; deeper input is left to the symbolic grader
 _TOKEN = re.compile(r"\d+(?:\.\d+)?|\\(?:frac|times|cdot|div)(?![a-zA-Z])|[-+*/^(){}]")
 _PLAIN_DECIMAL = re.compile(r"[+-]?(\d+)\.(\d+)")
 PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
@@ -71,14 +71,17 @@ class _Parser:
         self.i += 1
         return tok
 
-    def expr(self) -> Fraction:
-        self.depth += 1
+    def nest(self, step: int) -> None:
+        self.depth += step
         if self.depth > _MAX_DEPTH:
             raise _Unsupported
+
+    def expr(self) -> Fraction:
+        self.nest(1)
         value = self.term()
         while self.peek() in ("+", "-"):
             value = value + self.term() if self.take() == "+" else value - self.term()
-        self.depth -= 1
+        self.nest(-1)
         return value
 
     def term(self) -> Fraction:
@@ -97,7 +100,9 @@ class _Parser:
     def factor(self) -> Fraction:
         if self.peek() in ("+", "-"):
             sign = self.take()
+            self.nest(1)
             value = self.factor()
+            self.nest(-1)
             return -value if sign == "-" else value
         base = self.atom()
         if self.peek() != "^":
