@@ -29,17 +29,20 @@ STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"
 
 # Settings that may differ between the checkpoint's config and the resuming one: where the run
-# lives, how it is mirrored and shown, how many checkpoints are kept. None of them changes a
-# trained weight or a logged value. (eval.* is not here: validation draws from the CUDA RNG
+# lives, how it is named and grouped in trackers, how it is mirrored and shown, when and how
+# many checkpoints are kept. None of them changes a trained weight or a logged value. (eval.* is not here: validation draws from the CUDA RNG
 # on a GPU, so its schedule changes the training trajectory there, and its other settings
 # change what the val/* curves mean mid-run.)
 RESUME_IGNORED_KEYS = {
     "run.resume",
     "run.root",
+    "run.experiment",
+    "run.variant",
     "run.tags",
     "trainer.progress",
     "trainer.threads",
     "trainer.log_every",
+    "trainer.save_every",
     "trainer.keep_checkpoints",
 }
 RESUME_IGNORED_SECTIONS = ("tracking.", "console.")
