@@ -151,7 +151,9 @@ def load_latest_intact_checkpoint(
 ) -> tuple[Path, dict[str, Any]] | None:
     """(folder, state) of the newest checkpoint of `store` that passes its checksum and loads, or
     None if there is none. Each damaged newer one is named in a CheckpointWarning. Raises if
-    the checkpoint was written under a config that differs in a setting that matters."""
+    every checkpoint is damaged (rather than silently starting over), or if the checkpoint was
+    written under a config that differs in a setting that matters."""
+    damaged = []
     for path in store.complete_checkpoints():
         try:
             verify_checkpoint(path)
@@ -162,9 +164,15 @@ def load_latest_intact_checkpoint(
                 CheckpointWarning,
                 stacklevel=2,
             )
+            damaged.append(str(path / STATE_FILE))
             continue
         check_resumable(path, state["config"], current_config)
         return path, state
+    if damaged:
+        raise ValueError(
+            f"no intact checkpoint to resume from; damaged: {', '.join(damaged)}. Delete "
+            f"{store.checkpoints_dir} to start the run over."
+        )
     return None
 
 

@@ -1013,7 +1013,8 @@ class WandbTracker:
         run_id = os.environ.get("WANDB_RUN_ID") or (
             None if sweep else store.tracker_ids().get("wandb") or stable_run_id(run_dir)
         )
-        self.fresh_segment = mode != "online" or resume_step is None
+        # Online with a known id, W&B rewinds the run itself; else a new segment is replayed.
+        self.fresh_segment = mode != "online" or resume_step is None or run_id is None
         if self.fresh_segment:
             resume_args: dict[str, Any] = {"id": run_id, "resume": "allow"}
             if resume_step is not None:
