@@ -181,7 +181,7 @@ def test_exception_marks_failed_and_sweep_skips_it_unless_retry_failed(
 
 
 def test_a_refused_resume_leaves_the_status_alone(tiny_overrides, tmp_path):
-    common = [*tiny_overrides, "trainer.steps=2", "run.name=keep"]
+    common = [*tiny_overrides, "trainer.steps=2", "trainer.save_every=1", "run.name=keep"]
     run_dir = train(compose(common), stop_after=1)
     before = json.loads((run_dir / "status.json").read_text())
     with pytest.raises(ValueError, match=r"optim\.lr"):
