@@ -559,8 +559,9 @@ def mlflow_client(uri: str):
 
 
 def _check_sqlite(db: Path) -> None:
-    """Fail fast on a DB MLflow cannot open: MLflow itself retries for ~100 s before raising,
-    and silently creates missing folders (a typo in the URI would start a new store)."""
+    """Fail fast on a DB MLflow cannot open or that another process holds locked: MLflow
+    itself retries for ~20-100 s before raising, and silently creates missing folders (a typo
+    in the URI would start a new store)."""
     import sqlite3
 
     if not db.parent.is_dir():
@@ -721,10 +722,12 @@ class MLflowTracker:
     def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
         """Open a new MLflow run for `run_dir` and retire the runs it replaces (see
         `_open_run`), in the caller's thread (a fresh SQLite store is created, ~7 s, once; a
-        locked one raises after SQLite's 5 s busy timeout). Later calls run on the worker
-        thread with `background=True`."""
+        locked one raises after STALL_TIMEOUT_S, where MLflow's own retries would take ~20 s).
+        Later calls run on the worker thread with `background=True`."""
         _quiet_mlflow_db_errors()
         self.client = mlflow_client(self.uri)
+        if db := _sqlite_path(self.uri):
+            _check_sqlite(db)
         self._open_run(Path(run_dir), redact(config), name, group, list(tags), resume_step)
         self._tmp = tempfile.mkdtemp(prefix="omgrpo-mlflow-")
         if self.background:

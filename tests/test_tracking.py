@@ -334,6 +334,30 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
 
 
+def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_path, mlflow_uri):
+    import sqlite3
+
+    from omgrpo.tracking import STALL_TIMEOUT_S, _sqlite_path
+
+    run_dir = tmp_path / "runs" / "locked-early"
+    fan = build_trackers(TrackingConfig(mlflow_uri=mlflow_uri, wandb=False), tmp_path)
+    lock = sqlite3.connect(_sqlite_path(mlflow_uri), isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tic = time.perf_counter()
+            store = write_run(run_dir, "locked-early", fan)
+            seconds = time.perf_counter() - tic
+    finally:
+        lock.rollback()
+        lock.close()
+    ours = [str(w.message) for w in caught if issubclass(w.category, TrackerWarning)]
+    assert len(ours) == 1 and "failed in start()" in ours[0] and "locked" in ours[0], ours
+    assert seconds < STALL_TIMEOUT_S + 1, seconds
+    assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_parallel_runs_on_a_fresh_database_do_not_race(tmp_path):
     """Two processes start on the same new DB at once: the flock serialises the migration."""
