@@ -23,7 +23,7 @@ from omgrpo import trainer as trainer_module
 from omgrpo.config import compose
 from omgrpo.store import RunStore
 from omgrpo.sweep import main as sweep_main
-from omgrpo.sweep import plan_runs
+from omgrpo.sweep import plan_runs, read_status
 from omgrpo.trainer import train
 
 pytestmark = pytest.mark.slow
@@ -55,8 +55,8 @@ def _train_cli(overrides: list[str]) -> subprocess.Popen:
 def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_overrides, tmp_path):
     common = [
         *[o for o in tiny_overrides if not o.startswith("tracking.")],
-        "trainer.steps=5",
-        "trainer.save_every=2",
+        "trainer.steps=6",
+        "trainer.save_every=3",
         "trainer.threads=1",
         "tracking.mlflow=true",
         "tracking.wandb=true",
@@ -67,34 +67,33 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
         compose([*common, "run.name=reference", "tracking.mlflow=false", "tracking.wandb=false"])
     )
     expected = _values(reference)
-    assert sorted(expected) == [0, 1, 2, 3, 4, 5]
+    assert sorted(expected) == [0, 1, 2, 3, 4, 5, 6]
 
     run_dir = root / "killed"
     proc = _train_cli([*common, "run.name=killed"])
     deadline = time.monotonic() + 300
-    while RunStore(run_dir).read_status().get("step", 0) < 3:  # step 3 done: now in step 4
+    client = None
+    # Kill once step 4 is done and in MLflow (its writer is asynchronous): now in step 5, with
+    # steps 4.. to recompute from the checkpoint at 3.
+    while client is None or 4 not in _mlflow_steps(client, run_dir, "reward/total"):
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline
+        if client is None and read_status(run_dir).get("step", 0) >= 4:
+            client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert RunStore(run_dir).latest_checkpoint().name == "step_000002"
-    with (root / "mlflow.db").open("rb"):
-        pass  # the killed run's MLflow store is there, with its steps 0..3
+    assert RunStore(run_dir).latest_checkpoint().name == "step_000003"
 
     resumed = _train_cli([*common, "run.name=killed", "run.resume=true"])
     out = resumed.communicate(timeout=600)[0].decode()
     assert resumed.returncode == 0, out[-3000:]
-    assert "resuming" in out and "from step 2" in out
+    assert "resuming" in out and "from step 3" in out
     got = _values(run_dir)
     assert got == expected  # the local store, as before
 
     # MLflow: one active run of this directory; each step once, with the resumed values.
-    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
-    runs = client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        filter_string=f"tags.`omgrpo.run_dir` = '{run_dir.resolve()}'",
-    )
+    runs = _mlflow_runs(client, run_dir)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     for key in ("reward/total", "loss/pg", "val/acc", "lr", "answers/unique_per_prompt"):
         history = client.get_metric_history(runs[0].info.run_id, key)
@@ -109,15 +108,31 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     (wandb_file,) = segment.glob("*.wandb")
     rows = [r for r in _wandb_history(wandb_file) if "reward/total" in r or "val/acc" in r]
     steps = [r["train/step"] for r in rows]
-    assert steps == sorted(set(steps)) == [0, 1, 2, 3, 4, 5], steps
+    assert steps == sorted(set(steps)) == [0, 1, 2, 3, 4, 5, 6], steps
     for row in rows:
         want = expected[row["train/step"]]
         for key in ("reward/total", "loss/pg", "val/acc"):
             if key in want:
                 assert row[key] == pytest.approx(want[key]), (row["train/step"], key)
-    assert wandb_records.config(wandb_file)["_resumed_from_step"] == 2
+    assert wandb_records.config(wandb_file)["_resumed_from_step"] == 3
     assert segment.name.endswith(RunStore(run_dir).tracker_ids()["wandb"])
     assert len(list((run_dir / "wandb" / "superseded").glob("offline-run-*"))) == 1
+
+
+def _mlflow_runs(client: MlflowClient, run_dir: Path) -> list:
+    """The active MLflow runs of a run directory."""
+    return client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`omgrpo.run_dir` = '{run_dir.resolve()}'",
+    )
+
+
+def _mlflow_steps(client: MlflowClient, run_dir: Path, key: str) -> set[int]:
+    return {
+        m.step
+        for run in _mlflow_runs(client, run_dir)
+        for m in client.get_metric_history(run.info.run_id, key)
+    }
 
 
 def _wandb_history(path: Path, timeout: float = 30) -> list[dict]:
