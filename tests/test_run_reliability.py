@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -55,8 +56,8 @@ def _train_cli(overrides: list[str]) -> subprocess.Popen:
 def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_overrides, tmp_path):
     common = [
         *[o for o in tiny_overrides if not o.startswith("tracking.")],
-        "trainer.steps=6",
-        "trainer.save_every=3",
+        "trainer.steps=8",
+        "trainer.save_every=4",
         "trainer.threads=1",
         "tracking.mlflow=true",
         "tracking.wandb=true",
@@ -67,33 +68,34 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
         compose([*common, "run.name=reference", "tracking.mlflow=false", "tracking.wandb=false"])
     )
     expected = _values(reference)
-    assert sorted(expected) == [0, 1, 2, 3, 4, 5, 6]
+    assert sorted(expected) == list(range(9))
 
     run_dir = root / "killed"
     proc = _train_cli([*common, "run.name=killed"])
     deadline = time.monotonic() + 300
-    client = None
-    # Kill once step 4 is done and in MLflow (its writer is asynchronous): now in step 5, with
-    # steps 4.. to recompute from the checkpoint at 3.
-    while client is None or 4 not in _mlflow_steps(client, run_dir, "reward/total"):
+    # Kill once step 5 is done and in MLflow (its writer is asynchronous): then in step 6, with
+    # steps 5.. to recompute from the checkpoint at 4.
+    while read_status(run_dir).get("step", 0) < 5 or 5 not in _logged_steps(root / "mlflow.db"):
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline
-        if client is None and read_status(run_dir).get("step", 0) >= 4:
-            client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert RunStore(run_dir).latest_checkpoint().name == "step_000003"
+    assert RunStore(run_dir).latest_checkpoint().name == "step_000004"
 
     resumed = _train_cli([*common, "run.name=killed", "run.resume=true"])
     out = resumed.communicate(timeout=600)[0].decode()
     assert resumed.returncode == 0, out[-3000:]
-    assert "resuming" in out and "from step 3" in out
+    assert "resuming" in out and "from step 4" in out
     got = _values(run_dir)
     assert got == expected  # the local store, as before
 
     # MLflow: one active run of this directory; each step once, with the resumed values.
-    runs = _mlflow_runs(client, run_dir)
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`omgrpo.run_dir` = '{run_dir.resolve()}'",
+    )
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     for key in ("reward/total", "loss/pg", "val/acc", "lr", "answers/unique_per_prompt"):
         history = client.get_metric_history(runs[0].info.run_id, key)
@@ -108,31 +110,28 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     (wandb_file,) = segment.glob("*.wandb")
     rows = [r for r in _wandb_history(wandb_file) if "reward/total" in r or "val/acc" in r]
     steps = [r["train/step"] for r in rows]
-    assert steps == sorted(set(steps)) == [0, 1, 2, 3, 4, 5, 6], steps
+    assert steps == sorted(set(steps)) == list(range(9)), steps
     for row in rows:
         want = expected[row["train/step"]]
         for key in ("reward/total", "loss/pg", "val/acc"):
             if key in want:
                 assert row[key] == pytest.approx(want[key]), (row["train/step"], key)
-    assert wandb_records.config(wandb_file)["_resumed_from_step"] == 3
+    assert wandb_records.config(wandb_file)["_resumed_from_step"] == 4
     assert segment.name.endswith(RunStore(run_dir).tracker_ids()["wandb"])
     assert len(list((run_dir / "wandb" / "superseded").glob("offline-run-*"))) == 1
 
 
-def _mlflow_runs(client: MlflowClient, run_dir: Path) -> list:
-    """The active MLflow runs of a run directory."""
-    return client.search_runs(
-        [e.experiment_id for e in client.search_experiments()],
-        filter_string=f"tags.`omgrpo.run_dir` = '{run_dir.resolve()}'",
-    )
-
-
-def _mlflow_steps(client: MlflowClient, run_dir: Path, key: str) -> set[int]:
-    return {
-        m.step
-        for run in _mlflow_runs(client, run_dir)
-        for m in client.get_metric_history(run.info.run_id, key)
-    }
+def _logged_steps(db: Path) -> set[int]:
+    """Steps of `reward/total` in an MLflow SQLite store, read directly (MLflow's `metrics`
+    table): polling through MlflowClient is too slow to stop a run mid-way."""
+    if not db.exists():
+        return set()
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as conn:
+            rows = conn.execute("SELECT step FROM metrics WHERE key = 'reward/total'").fetchall()
+    except sqlite3.Error:  # not migrated yet, or busy
+        return set()
+    return {step for (step,) in rows}
 
 
 def _wandb_history(path: Path, timeout: float = 30) -> list[dict]:
