@@ -190,9 +190,9 @@ def test_checkpoint_choice_and_keep_best(tmp_path):
     with pytest.raises(CheckpointError, match="available: step_10, step_20, step_30, step_40"):
         choose_checkpoint(store.dir, "step_5", config)
     store.prune_checkpoints(1, keep_best="val/acc")  # the newest and the best survive
-    assert sorted(store.complete_checkpoints()) == [20, 40]
+    assert sorted(store.checkpoints_by_step()) == [20, 40]
     store.prune_checkpoints(1)
-    assert sorted(store.complete_checkpoints()) == [40]
+    assert sorted(store.checkpoints_by_step()) == [40]
 
 
 def test_vllm_backend_maps_the_settings_and_returns_the_native_format(monkeypatch):
@@ -290,7 +290,7 @@ def test_eval_cli_on_a_tiny_toy_run_writes_parquet_summary_and_mlflow(
             ]
         )
     )
-    assert sorted(RunStore(run).complete_checkpoints()) in ([2, 4], [4])  # best kept, or it is 4
+    assert sorted(RunStore(run).checkpoints_by_step()) in ([2, 4], [4])  # best kept, or it is 4
 
     best_args = ["eval", str(run), "--suite", "toy", "--checkpoint", "best", "--threads", "1"]
     assert main(best_args) == 0

@@ -42,7 +42,7 @@ def choose_checkpoint(
     test_paths: tuple[str, ...] = (),
 ) -> Choice:
     store = RunStore(run_dir)
-    done = store.complete_checkpoints()
+    done = store.checkpoints_by_step()
     if which == "base":
         return Choice("base", 0, None, "the base model, before any RL step")
     if which == "last":

@@ -104,7 +104,7 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     """(model, tokenizer, model directory) with the chosen checkpoint's weights loaded."""
     from omegaconf import OmegaConf
 
-    from omgrpo.checkpoint import load_checkpoint
+    from omgrpo.checkpoint import STATE_FILE, verify_checkpoint
     from omgrpo.models.loading import (
         base_model_dir,
         load_model,
@@ -123,7 +123,8 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     base = base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
     model = load_model(base, dev, resolve_dtype(cfg.model.dtype, dev))
     if choice.path is not None:
-        state = load_checkpoint(Path(choice.path), target.config)
+        verify_checkpoint(Path(choice.path))  # names a damaged file
+        state = torch.load(Path(choice.path) / STATE_FILE, map_location="cpu", weights_only=False)
         model.load_state_dict(state["model"])
     return model.eval(), load_tokenizer(base), base
 
