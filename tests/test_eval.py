@@ -314,6 +314,7 @@ def test_eval_cli_on_a_tiny_toy_run_writes_parquet_summary_and_mlflow(
     (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     key = sanitize_metric_name("eval/toy-best/toy_test/avg@8")
     assert mlrun.data.metrics[key] == pytest.approx(bench["metrics"]["avg@8"])
+    assert sanitize_metric_name("val/acc") in mlrun.data.metrics  # the training history stays
 
     # resumable: a finished benchmark is kept, not sampled again
     mtime = (out / "toy_test.parquet").stat().st_mtime_ns

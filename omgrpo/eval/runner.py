@@ -354,13 +354,16 @@ def metric_rows(summary: dict[str, Any], label: str) -> dict[str, float]:
 
 def log_to_trackers(target: Target, out_dir: Path, summary: dict, say) -> None:
     """Add the metrics (at the checkpoint's step) and the evaluation files to the run's MLflow
-    / W&B run, found by its directory (`omgrpo.tracking`); a failing backend only warns."""
+    / W&B run (`omgrpo.tracking`: continuing the run of this directory, with the run store's
+    history replayed where a backend opens a new one); a failing backend only warns."""
     from omgrpo.tracking import build_trackers
 
     config = target.config
     tracking = config.get("tracking") or {}
     if not (tracking.get("mlflow") or tracking.get("wandb")):
         return
+    steps = RunStore(target.path).read_metrics()
+    last = int(steps["train/step"].max()) if "train/step" in steps else 0
     tracker = build_trackers(tracking, target.path.parent)
     run = config.get("run") or {}
     tracker.start(
@@ -369,7 +372,7 @@ def log_to_trackers(target: Target, out_dir: Path, summary: dict, say) -> None:
         name=run.get("name", target.path.name),
         group=run.get("experiment"),
         tags=list(run.get("tags") or []),
-        resume=True,
+        resume_step=last,
     )
     with tracker:
         tracker.log_metrics(summary["checkpoint"]["step"], metric_rows(summary, out_dir.name))
