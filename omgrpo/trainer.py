@@ -55,7 +55,7 @@ from omgrpo.rewards import compute_rewards, get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -109,6 +109,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     coreward = "coreward" in cfg.reward.parts
     if coreward and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
+    check_prompt_lengths(splits, encode, paraphrases=coreward)
 
     steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
     total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
@@ -392,31 +393,6 @@ def check_config(cfg) -> None:
         raise ValueError("algorithm.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO)")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
-
-
-class PromptEncoder:
-    """Question -> prompt token ids through the model's chat template (paper's template)."""
-
-    def __init__(self, tokenizer, max_len: int):
-        self.tokenizer, self.max_len, self.cache = tokenizer, max_len, {}
-
-    def __call__(self, problem: Problem) -> list[int]:
-        if problem.question not in self.cache:
-            messages = build_messages(problem.question)
-            if self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            else:  # base models without a template: the same content as plain text
-                text = f"{messages[0]['content']}\n\n{problem.question}\n"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_len:
-                raise ValueError(
-                    f"problem {problem.id}: prompt has {len(ids)} tokens, more than "
-                    f"rollout.max_prompt_len={self.max_len}"
-                )
-            self.cache[problem.question] = ids
-        return self.cache[problem.question]
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
