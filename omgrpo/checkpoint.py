@@ -19,7 +19,7 @@ import torch
 from omgrpo.tracking import flatten
 
 # Keys allowed to differ between the checkpoint's config and the resuming one.
-RESUME_IGNORED = {"run.resume", "trainer.progress", "trainer.threads"}
+RESUME_IGNORED = {"run.resume", "trainer.progress", "trainer.log_every", "trainer.threads"}
 
 
 def config_diff(saved: dict, current: dict) -> list[str]:

@@ -29,12 +29,12 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from omgrpo.answers import equivalent, extract_boxed, set_math_verify
 from omgrpo.car import generate_pair_answers, top_vote_metrics
 from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
+from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.diagnostics import (
     CollapseDetector,
     answer_diagnostics,
@@ -164,22 +164,22 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         resume=checkpoint is not None,
     )
     with tracker:  # ends the trackers' runs as finished / failed / killed
+        console = Progress(
+            cfg.run.name,
+            total_steps,
+            TRAIN_FIELDS,
+            start=start,
+            every=cfg.trainer.log_every,
+            bar=cfg.trainer.progress,
+        )
         val_problems = splits.val[: cfg.eval.num_prompts]
         if start == 0 and cfg.eval.every > 0 and val_problems:
             metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
             store.log_metrics(0, metrics0)
             tracker.log_metrics(0, metrics0)
+            console.update(0, metrics0)
 
-        bar = tqdm(
-            range(start + 1, total_steps + 1),
-            initial=start,
-            total=total_steps,
-            desc=cfg.run.name,
-            disable=not cfg.trainer.progress,
-            dynamic_ncols=True,
-        )
-        last_val: dict[str, float] = {}
-        for step in bar:
+        for step in range(start + 1, total_steps + 1):
             timer = StageTimer(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -317,14 +317,13 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 and val_problems
                 and (step % cfg.eval.every == 0 or step == total_steps)
             ):
-                last_val = validate(
-                    policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"]
+                metrics.update(
+                    validate(policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"])
                 )
-                metrics.update(last_val)
             collapsed_now = detector.update(step, metrics)
             if collapsed_now:
                 metrics["collapse/detected_step"] = step
-                tqdm.write(
+                console.write(
                     f"collapse detected at step {step}: "
                     f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
                     f"'{metrics['answers/batch_mode']}' in "
@@ -352,13 +351,9 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 )
                 store.prune_checkpoints(cfg.trainer.keep_checkpoints)
             store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
-            bar.set_postfix(
-                reward=f"{metrics['reward/total']:.2f}",
-                val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
-                uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
-            )
+            console.update(step, metrics)
             if collapsed_now and cfg.collapse.stop:
-                bar.close()
+                console.close()
                 store.write_status(
                     state="collapsed",
                     step=step,
@@ -369,7 +364,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 return store.dir
             if stop_after is not None and step >= stop_after:
                 return store.dir  # simulated kill (tests): no "finished" status
-        bar.close()
+        console.close()
         store.write_status(
             state="finished", step=total_steps, total_steps=total_steps, base_model=base
         )

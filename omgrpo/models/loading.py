@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from omgrpo.console import quiet_library_bars
 from omgrpo.tasks.base import TaskSplits
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -89,5 +90,6 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    quiet_library_bars()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(device)
