@@ -125,7 +125,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     """Longest response (tokens)."""
     max_prompt_len: int = 512
-    """Longer prompts are refused with an error naming the problem."""
+    """Longest prompt (tokens, chat template included); every train/val prompt is checked at
+    setup and the error lists the longer ones (file, line, id)."""
 
 
 @dataclass
