@@ -17,7 +17,7 @@ import torch
 from omgrpo.eval.suite import BenchmarkSpec
 from omgrpo.rollout import sample, stop_token_ids
 from omgrpo.tasks.base import Problem
-from omgrpo.trainer import PromptEncoder
+from omgrpo.tasks import PromptEncoder
 
 BACKENDS = ("native", "vllm")
 MAX_PROMPT_TOKENS = 1 << 20  # evaluation does not truncate prompts
