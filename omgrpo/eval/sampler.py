@@ -4,7 +4,7 @@
 - `vllm`: vLLM's offline `LLM.generate` (optional: `pip install -e '.[vllm]'`); a GPU user
   evaluates at vLLM speed. Run checkpoints are exported to a Hugging Face directory first.
 
-Both render the prompt with the trainer's `PromptEncoder` (system prompt + question through the
+Both render the prompt with `omgrpo.tasks.PromptEncoder` (system prompt + question through the
 model's chat template) and stop at the same tokens (`rollout.stop_token_ids`).
 """
 
@@ -16,8 +16,8 @@ import torch
 
 from omgrpo.eval.suite import BenchmarkSpec
 from omgrpo.rollout import sample, stop_token_ids
-from omgrpo.tasks.base import Problem
 from omgrpo.tasks import PromptEncoder
+from omgrpo.tasks.base import Problem
 
 BACKENDS = ("native", "vllm")
 MAX_PROMPT_TOKENS = 1 << 20  # evaluation does not truncate prompts
