@@ -93,6 +93,9 @@ def test_loaders_read_each_common_format(tmp_path):
     assert [p.answer for p in load_benchmark(parquet)] == ["72", "2000"]  # '####' detected
     aime = load_benchmark(FIXTURES / "aime24.jsonl")
     assert [(p.id, p.answer) for p in aime] == [("60", "204"), ("61", "25")]
+    aime_parquet = tmp_path / "aime.parquet"  # integer answers read back as numpy integers
+    pd.DataFrame({"problem": ["p", "q"], "answer": [204, 25]}).to_parquet(aime_parquet)
+    assert [p.answer for p in load_benchmark(aime_parquet)] == ["204", "25"]
     amc = load_benchmark(FIXTURES / "amc.json")  # TTRL's `prompt` key, float answers
     assert [p.answer for p in amc] == ["2", "0.5"]
 
@@ -103,11 +106,11 @@ def test_bad_rows_are_reported_by_file_and_row():
         load_benchmark(path)
     msg = str(err.value)
     assert "2 bad row(s) of 4" in msg
-    assert f"{path}, row 1: no answer column" in msg
-    assert f"{path}, row 2: empty or non-text 'question'" in msg
-    with pytest.raises(BenchmarkDataError, match=r"row 3: GSM8K answer without a final"):
+    assert f"{path}, line 2: no answer column" in msg  # JSONL rows are named by line
+    assert f"{path}, line 3: empty or non-text 'question'" in msg
+    with pytest.raises(BenchmarkDataError, match=r"line 4: GSM8K answer without a final"):
         load_benchmark(path, answer_format="gsm8k")
-    with pytest.raises(BenchmarkDataError, match=r"row 0: no 'query' column"):
+    with pytest.raises(BenchmarkDataError, match=r"line 1: no 'query' column"):
         load_benchmark(FIXTURES / "gsm8k.jsonl", question_key="query")
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from omgrpo.tasks.base import Problem
 from omgrpo.tasks.files import _read_rows
@@ -41,14 +44,15 @@ def final_answer(value: Any, answer_format: str = "auto") -> str:
     `auto`: the same when `####` occurs, else the value; `plain`: the value."""
     if answer_format not in ANSWER_FORMATS:
         raise ValueError(f"unknown answer format '{answer_format}'; valid: {ANSWER_FORMATS}")
-    if isinstance(value, bool) or value is None:
+    if isinstance(value, bool | np.bool_) or value is None:
         raise ValueError(f"expected a number or a string, got {value!r}")
-    if isinstance(value, float):
+    if isinstance(value, numbers.Integral):  # numpy integers too (Parquet columns)
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"answer is {value}")
         return str(int(value)) if value.is_integer() else repr(value)
-    if isinstance(value, int):
-        return str(value)
     if not isinstance(value, str):
         raise ValueError(f"expected a number or a string, got {type(value).__name__}")
     text = value.strip()
@@ -81,17 +85,17 @@ def load_benchmark(
     limit: int | None = None,
 ) -> list[Problem]:
     """Problems of a benchmark file. Raises BenchmarkDataError listing every bad row (missing or
-    empty question, missing or unreadable answer) by file and row number (0-based)."""
+    empty question, missing or unreadable answer) by file and row (JSONL: line, 1-based;
+    JSON / Parquet: row index, 0-based, as `omgrpo.tasks.files` names them)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(
             f"benchmark file not found: {path} (convert a local copy with `omgrpo data convert`, "
             "see docs/eval.md)"
         )
-    rows = _read_rows(path)
+    rows = list(_read_rows(path))  # (where: file and row / line, row)
     problems, errors = [], []
-    for i, row in enumerate(rows[:limit] if limit else rows):
-        where = f"{path}, row {i}"
+    for i, (where, row) in enumerate(rows[:limit] if limit else rows):
         try:
             if not isinstance(row, dict):
                 raise ValueError(f"expected an object, got {row!r:.60}")
