@@ -94,6 +94,20 @@ class Run:
     steps_per_epoch: int
     total_steps: int
 
+    def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
+        """n responses per problem from the policy (prompts through the chat template)."""
+        return sample(
+            self.policy,
+            [self.encode(p) for p in problems],
+            n=n,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_id=self.stop_ids,
+            pad_id=self.tokenizer.pad_token_id,
+            **kw,
+        )
+
     def status(self, state: str, step: int, **extra: Any) -> None:
         self.store.write_status(
             state=state, step=step, total_steps=self.total_steps, base_model=self.base, **extra
@@ -222,16 +236,7 @@ def generate(
     G = cfg.rollout.n
     policy.eval()
     with timer("gen"):
-        seqs = sample(
-            policy,
-            [run.encode(p) for p in problems],
-            n=G,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            eos_id=run.stop_ids,
-            pad_id=tokenizer.pad_token_id,
-        )
+        seqs = run.sample(problems, G, cfg.rollout.temperature, cfg.rollout.top_p)
     if not cfg.car.enable:
         return seqs, None
     with timer("car"):
@@ -531,16 +536,8 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
     run.policy.eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
-        seqs = sample(
-            run.policy,
-            [run.encode(p) for p in problems],
-            n=k,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.eval.temperature,
-            top_p=cfg.eval.top_p,
-            eos_id=run.stop_ids,
-            pad_id=run.tokenizer.pad_token_id,
-            batch_size=cfg.eval.batch_size,
+        seqs = run.sample(
+            problems, k, cfg.eval.temperature, cfg.eval.top_p, batch_size=cfg.eval.batch_size
         )
     answers = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask).answers
     groups = [make_group(a, label=p.answer) for a, p in zip(_chunks(answers, k), problems)]
