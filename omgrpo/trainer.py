@@ -35,9 +35,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from omgrpo.answers import set_math_verify
+from omgrpo.answers import GradingBudget, grading_scope, set_math_verify, use_grading_budget
 from omgrpo.car import CarResult, generate_pair_answers
-from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container, validate_algorithm
 from omgrpo.diagnostics import CollapseDetector, recovery_metrics
 from omgrpo.losses import grpo_loss, token_logprobs_and_entropy
@@ -116,14 +116,21 @@ class Run:
 
 def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
-    step as if the process were killed (used to test resume)."""
+    step as if the process were killed (used to test resume). An exception marks the run
+    `failed` in status.json, with the error."""
+    with RunStore(Path(cfg.run.root) / cfg.run.name).recording_failures():
+        return _train(cfg, stop_after)
+
+
+def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     run = setup(cfg)
     state = resume_or_start(run)
     c = cfg.collapse
     detector = CollapseDetector(c.max_unique_per_prompt, c.min_mode_share, c.patience)
     detector.state = state.collapse  # the same dict: checkpoints see its updates
-    tracker = start_tracker(run, resumed=state.step > 0)
-    with tracker:  # ends the trackers' runs as finished / failed / killed
+    tracker = start_tracker(run, resume_step=state.step if state.step > 0 else None)
+    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
+    with tracker, grading_scope():
         if state.step == 0 and _validating(run):
             log_step(run, tracker, 0, validate(run, 0, state.recovery))
         bar = tqdm(
@@ -174,6 +181,10 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     `trainer.max_consecutive_skips` non-finite steps in a row."""
     cfg, policy = run.cfg, run.policy
     timer = StageTimer(run.device)
+    # all of this step's answer comparisons share one budget (omgrpo.answers)
+    grading = use_grading_budget(
+        GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
+    )
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if "coreward" in cfg.reward.parts:  # the paraphrases too; group g's partner is g +- P
@@ -219,6 +230,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         **step_metrics(batch, state, cfg.collapse.confident_share),
         **update,
         "lr": run.scheduler.get_last_lr()[0],
+        "answers/grading_timeouts": grading.timeouts,
     }
     timer.seconds["step"] = sum(timer.seconds.values())
     metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -337,9 +349,11 @@ def resume_or_start(run: Run) -> LoopState:
     """The newest checkpoint's state (models, optimizer, RNGs restored) with `run.resume`,
     else a fresh state; marks the run as running."""
     state = LoopState()
-    checkpoint = run.store.latest_checkpoint() if run.cfg.run.resume else None
+    checkpoint = (
+        load_latest_intact_checkpoint(run.store, run.config) if run.cfg.run.resume else None
+    )
     if checkpoint is not None:
-        saved = load_checkpoint(checkpoint, run.config)
+        saved = checkpoint[1]
         run.policy.load_state_dict(saved["model"])
         run.optimizer.load_state_dict(saved["optimizer"])
         run.scheduler.load_state_dict(saved["scheduler"])
@@ -348,13 +362,13 @@ def resume_or_start(run: Run) -> LoopState:
         run.store.truncate_metrics(state.step)
         print(f"resuming {run.store.dir} from step {state.step}")
     else:
-        run.store.truncate_metrics(0)
+        run.store.truncate_metrics(-1)
         run.store.write_config(run.config)
     run.status("running", state.step)
     return state
 
 
-def start_tracker(run: Run, resumed: bool):
+def start_tracker(run: Run, resume_step: int | None):
     """The configured trackers (MLflow, W&B), started on this run."""
     cfg = run.cfg
     tracker = build_trackers(cfg.tracking, Path(cfg.run.root))
@@ -364,7 +378,7 @@ def start_tracker(run: Run, resumed: bool):
         name=cfg.run.name,
         group=cfg.run.experiment,
         tags=list(cfg.run.tags),
-        resume=resumed,
+        resume_step=resume_step,
     )
     return tracker
 

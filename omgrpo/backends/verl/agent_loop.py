@@ -37,7 +37,7 @@ import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.answers import set_math_verify
+from omgrpo.answers import grading_budget, set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.reward import label_of, pred_of
@@ -304,8 +304,8 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         pool = None
         if car is not None:
             pool = CarResult(pairs=[[tuple(p) for p in car["pairs"]]], answers=[car["answers"]])
-        batch: StepBatch = await asyncio.to_thread(
-            score_step, self.tokenizer, ids, mask, [problem], om, car=pool
+        batch, timeouts = await asyncio.to_thread(
+            score_group, self.tokenizer, ids, mask, problem, om, pool
         )
         for k, (session, output) in enumerate(zip(sessions, outputs)):
             answer, correct = batch.answers[k], batch.correct[k]
@@ -324,6 +324,7 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 "prompt_id": problem.id,
                 "session": k,
                 "rewards": parts,
+                "grading_timeouts": timeouts,  # the group's, on every rollout
             }
             if car is not None:
                 mine = [(p, a) for p, a in zip(car["pairs"], car["answers"]) if p[0] == k]
@@ -338,6 +339,24 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 # The format reward (paper §3.1), for the format-only advantage.
                 FORMAT_SCORE_KEY: torch.tensor(format_score(answer), dtype=torch.float32),
             }
+
+
+def score_group(
+    tokenizer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    problem: Problem,
+    om: Any,
+    car: CarResult | None,
+) -> tuple[StepBatch, int]:
+    """`score_step` on one prompt's rollouts, its answer comparisons within one grading budget
+    (`omgrpo.reward.grading_budget_s`: groups are scored concurrently in the agent-loop
+    workers, so each has its own); returns the scored group and the comparisons it left
+    undecided (`answers/grading_timeouts`)."""
+    budget_s, pair_timeout = float(om.reward.grading_budget_s), float(om.reward.equivalence_timeout)
+    with grading_budget(budget_s, pair_timeout) as budget:
+        batch = score_step(tokenizer, ids, mask, [problem], om, car=car)
+    return batch, budget.timeouts
 
 
 def _plain(value: Any) -> Any:

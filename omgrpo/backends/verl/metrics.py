@@ -103,7 +103,7 @@ def step_metrics(
 
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
-        `answers/batch_mode`), `acc/train`, and with CAR the `car/*` diagnostics,
+        `answers/batch_mode`; `answers/grading_timeouts` summed over the groups' budgets), `acc/train`, and with CAR the `car/*` diagnostics,
         `car/top_vote_acc_without_car`, `car/seconds` (summed over groups) and `car/span_s`
         (wall clock from the first pair request to the last answer of the step).
     """
@@ -111,8 +111,13 @@ def step_metrics(
         return {}
     metrics = batch_metrics(batch_from_records(uids, records, rewards), state, confident_share)
     metrics.pop("answers/batch_mode")  # a string: verl's loggers take numbers
+    rows = _group_rows(uids, records)
+    # each group was graded within its own budget (the agent loop); its count is on every row
+    metrics["answers/grading_timeouts"] = float(
+        sum(records[g[0]].get("grading_timeouts", 0) for g in rows)
+    )
     if all("car" in r for r in records):
-        firsts = [records[g[0]]["car"] for g in _group_rows(uids, records)]
+        firsts = [records[g[0]]["car"] for g in rows]
         metrics["car/seconds"] = float(sum(c["end"] - c["start"] for c in firsts))
         metrics["car/span_s"] = float(
             max(c["end"] for c in firsts) - min(c["start"] for c in firsts)
