@@ -126,7 +126,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     """Longest response (tokens)."""
     max_prompt_len: int = 512
-    """Longer prompts are refused with an error naming the problem."""
+    """Longest prompt (tokens, chat template included); every train/val prompt is checked at
+    setup and the error lists the longer ones (file, line, id)."""
 
 
 @dataclass
@@ -234,7 +235,11 @@ class TrainerConfig:
     max_consecutive_skips: int = 3
     """Abort after this many consecutive steps with a NaN/inf loss."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar when stderr is a terminal (false: plain lines, as in a log)."""
+    log_every: int = 1
+    """Print a one-line summary (step, reward, answers per prompt, kl/answer, kl/reasoning,
+    last val/acc, s/step) every N steps when stdout is not a terminal or there is no bar;
+    0: never."""
     threads: int | None = None
     """torch CPU threads (null: torch's default)."""
 

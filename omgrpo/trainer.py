@@ -33,12 +33,12 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
 from omgrpo.answers import GradingBudget, grading_scope, set_math_verify, use_grading_budget
 from omgrpo.car import CarResult, generate_pair_answers
 from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container, validate_algorithm
+from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.diagnostics import CollapseDetector, recovery_metrics
 from omgrpo.losses import grpo_loss, token_logprobs_and_entropy
 from omgrpo.models.loading import (
@@ -52,7 +52,7 @@ from omgrpo.rewards import get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.step import LoopState, StepBatch, decode_responses, is_correct, score_step, step_metrics
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -131,46 +131,42 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     tracker = start_tracker(run, resume_step=state.step if state.step > 0 else None)
     # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
     with tracker, grading_scope():
-        if state.step == 0 and _validating(run):
-            log_step(run, tracker, 0, validate(run, 0, state.recovery))
-        bar = tqdm(
-            range(state.step + 1, run.total_steps + 1),
-            initial=state.step,
-            total=run.total_steps,
-            desc=cfg.run.name,
-            disable=not cfg.trainer.progress,
-            dynamic_ncols=True,
+        console = Progress(
+            cfg.run.name,
+            run.total_steps,
+            TRAIN_FIELDS,
+            start=state.step,
+            every=cfg.trainer.log_every,
+            bar=cfg.trainer.progress,
         )
-        last_val: dict[str, float] = {}
-        for step in bar:
+        if state.step == 0 and _validating(run):
+            metrics0 = validate(run, 0, state.recovery)
+            log_step(run, tracker, 0, metrics0)
+            console.update(0, metrics0)
+        for step in range(state.step + 1, run.total_steps + 1):
             state.step = step
             problems = batch_for_step(
                 run.train_problems, step, cfg.trainer.prompts_per_step, cfg.seed
             )
             batch, metrics = train_step(run, state, problems)
             if _validating(run) and _due(step, cfg.eval.every, run.total_steps):
-                last_val = validate(run, step, state.recovery)
-                metrics.update(last_val)
+                metrics.update(validate(run, step, state.recovery))
             collapsed_now = detector.update(step, metrics)
             if collapsed_now:
                 metrics["collapse/detected_step"] = step
-                tqdm.write(_collapse_message(step, metrics))
+                console.write(_collapse_message(step, metrics))
             log_step(run, tracker, step, metrics, batch)
             if _due(step, cfg.trainer.save_every, run.total_steps):
                 save(run, state)
             run.status("running", step)
-            bar.set_postfix(
-                reward=f"{metrics['reward/total']:.2f}",
-                val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
-                uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
-            )
+            console.update(step, metrics)
             if collapsed_now and cfg.collapse.stop:
-                bar.close()
+                console.close()
                 run.status("collapsed", step, collapse_step=step)
                 return run.store.dir
             if stop_after is not None and step >= stop_after:
                 return run.store.dir  # simulated kill (tests): no "finished" status
-        bar.close()
+        console.close()
         run.status("finished", run.total_steps)
     return run.store.dir
 
@@ -314,6 +310,8 @@ def setup(cfg: DictConfig) -> Run:
     _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
     if "coreward" in cfg.reward.parts and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
+    encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
+    check_prompt_lengths(splits, encode, paraphrases="coreward" in cfg.reward.parts)
     steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
     total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(
@@ -336,7 +334,7 @@ def setup(cfg: DictConfig) -> Run:
         scheduler=warmup_cosine(
             optimizer, total_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio
         ),
-        encode=PromptEncoder(tokenizer, cfg.rollout.max_prompt_len),
+        encode=encode,
         stop_ids=stop_ids,
         train_problems=splits.train,
         val_problems=splits.val[: cfg.eval.num_prompts],
@@ -436,31 +434,6 @@ def check_config(cfg) -> None:
     validate_algorithm(cfg.algorithm, "algorithm")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
-
-
-class PromptEncoder:
-    """Question -> prompt token ids through the model's chat template (paper's template)."""
-
-    def __init__(self, tokenizer, max_len: int):
-        self.tokenizer, self.max_len, self.cache = tokenizer, max_len, {}
-
-    def __call__(self, problem: Problem) -> list[int]:
-        if problem.question not in self.cache:
-            messages = build_messages(problem.question)
-            if self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            else:  # base models without a template: the same content as plain text
-                text = f"{messages[0]['content']}\n\n{problem.question}\n"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_len:
-                raise ValueError(
-                    f"problem {problem.id}: prompt has {len(ids)} tokens, more than "
-                    f"rollout.max_prompt_len={self.max_len}"
-                )
-            self.cache[problem.question] = ids
-        return self.cache[problem.question]
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:

@@ -36,6 +36,12 @@ from omgrpo.analysis.tables import (
     run_summary,
 )
 
+FIGURE_CAPTION = (
+    "Curves are means over seeds (the legend gives n). With n ≥ 3 the band is the 95% CI of "
+    "the mean (Student t); with n = 2 thin lines show each seed instead; bands and axes stay "
+    "within each metric's range (accuracies and shares in [0, 1], counts ≥ 0)."
+)
+
 
 def _fmt(value, percent: bool = False) -> str:
     if value is None or pd.isna(value):
@@ -115,7 +121,7 @@ def write_report(
             lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
 
     # -- figures -------------------------------------------------------------------------
-    lines += ["## Figures", ""]
+    lines += ["## Figures", "", FIGURE_CAPTION, ""]
     missing = {}
     for name, result in figures.items():
         if isinstance(result, str):
