@@ -15,12 +15,16 @@ import json
 import os
 import shutil
 import traceback
+import uuid
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
+
+_ATTEMPT: ContextVar[str | None] = ContextVar("omgrpo_run_attempt", default=None)
 
 
 class RunStore:
@@ -137,9 +141,12 @@ class RunStore:
 
     # -- status ---------------------------------------------------------------------------
     def write_status(self, **status: Any) -> None:
-        """Replace status.json (atomically: a kill never leaves half a file). The writing
-        process's id goes in as `pid`, so `recording_failures` knows whose run it is."""
-        _write_json_atomic(self.dir / "status.json", {**status, "pid": os.getpid()})
+        """Replace status.json (atomically: a kill never leaves half a file). Inside
+        `recording_failures` the attempt's id goes in as `attempt`, so a failure is recorded
+        only for a run this attempt started."""
+        if (attempt := _ATTEMPT.get()) is not None:
+            status["attempt"] = attempt
+        _write_json_atomic(self.dir / "status.json", status)
 
     def read_status(self) -> dict[str, Any]:
         path = self.dir / "status.json"
@@ -151,14 +158,15 @@ class RunStore:
         traceback) or `killed` (Ctrl-C) when the body raises after this process set the run
         `running`; re-raise. A refusal before the run started (e.g. a config change on
         resume) leaves the status of the run on disk alone."""
+        attempt = uuid.uuid4().hex
+        token = _ATTEMPT.set(attempt)
         try:
             yield self
         except BaseException as e:
             status = self.read_status()
-            ours = status.get("pid") == os.getpid() and "error" not in status
+            ours = status.get("attempt") == attempt and "error" not in status
             if ours and status.get("state") in ("running", "failed"):
                 killed = isinstance(e, KeyboardInterrupt | SystemExit)
-                status.pop("pid", None)
                 status["state"] = "killed" if killed else "failed"
                 status["error"] = {
                     "type": type(e).__name__,
@@ -168,6 +176,8 @@ class RunStore:
                 }
                 self.write_status(**status)
             raise
+        finally:
+            _ATTEMPT.reset(token)
 
     # -- tracker ids ----------------------------------------------------------------------
     def tracker_ids(self) -> dict[str, str]:
