@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.car import CarConfig
+from omgrpo.losses import AGG_MODES
 from omgrpo.tracking import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -162,8 +163,12 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The algorithm section of both backends (verl reads `answer_weight`, `format_only` and
+    `adv_eps`; its own actor keys hold the rest, see `omgrpo.backends.verl.config`)."""
+
     answer_weight: float = 0.0
-    """w: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla GRPO)."""
+    """w >= 0: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla
+    GRPO, between: the paper's soft down-weighting; above 1 up-weights the answer)."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
@@ -180,6 +185,19 @@ class AlgorithmConfig:
     """Rollouts per optimizer step (null: all of the step's rollouts, one update)."""
     micro_batch_size: int | None = None
     """Rollouts per forward pass (gradient accumulation); null: the whole mini-batch."""
+
+
+def validate_algorithm(algo: DictConfig, prefix: str) -> None:
+    """Reject values no backend can train with, naming the key (`prefix`.<field>)."""
+    if algo.agg not in AGG_MODES:
+        raise ValueError(f"unknown {prefix}.agg '{algo.agg}'; valid: {', '.join(AGG_MODES)}")
+    if algo.answer_weight < 0:
+        raise ValueError(
+            f"{prefix}.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO), "
+            f"got {algo.answer_weight}"
+        )
+    if algo.adv_eps < 0:
+        raise ValueError(f"{prefix}.adv_eps must be >= 0, got {algo.adv_eps}")
 
 
 @dataclass

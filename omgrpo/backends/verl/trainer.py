@@ -42,6 +42,7 @@ from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
 from omgrpo.diagnostics import CollapseDetector
+from omgrpo.step import LoopState
 
 __all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
 
@@ -87,11 +88,12 @@ class OmgrpoTrainer(PPOTrainerSync):
             raise ValueError("the omgrpo trainer replaces ppo_loss: disable distillation")
         self.omgrpo = section(config)
         set_math_verify(bool(self.omgrpo.reward.math_verify))
-        self._last_majority: dict[str, str] = {}
+        self._loop = LoopState()  # label flips and collapse across steps, as the native loop
         collapse = self.omgrpo.collapse
         self._collapse = CollapseDetector(
             collapse.max_unique_per_prompt, collapse.min_mode_share, collapse.patience
         )
+        self._collapse.state = self._loop.collapse
         super().__init__(config)
 
     def _build_replay_buffer(self) -> Any:
@@ -177,7 +179,7 @@ class OmgrpoTrainer(PPOTrainerSync):
             records,
             rewards,
             confident_share=float(self.omgrpo.collapse.confident_share),
-            last_majority=self._last_majority,
+            state=self._loop,
         )
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch) -> None:
