@@ -61,6 +61,28 @@ class TaskConfig:
     """Toy: largest multiplier."""
     max_value: int = 99
     """Toy: every intermediate value stays in [0, max_value]."""
+    hard_share: float = 0.0
+    """Toy: share of problems from the hard regime (`hard_steps` ops, values <= `hard_max_value`)."""
+    hard_steps: int = 3
+    """Toy: operations per hard problem."""
+    hard_max_start: int = 20
+    """Toy: largest starting value of hard problems."""
+    hard_max_operand: int = 20
+    """Toy: largest operand of + and - in hard problems."""
+    hard_max_factor: int = 5
+    """Toy: largest multiplier in hard problems."""
+    hard_max_value: int = 99
+    """Toy: value range of hard problems."""
+    guess_rate_easy: float = 0.0
+    """Toy shortcut worlds: share of easy SFT solutions that box a guess (docs/toy-worlds.md)."""
+    guess_rate_hard: float = 0.0
+    """Toy shortcut worlds: share of hard SFT solutions that box a guess."""
+    guess_peak: int = 1
+    """Toy shortcut worlds: the guess prior's peak value."""
+    guess_peak_p: float = 0.6
+    """Toy shortcut worlds: P(guess = guess_peak), else uniform; 0 = flat prior."""
+    bare_guess: bool = False
+    """Toy shortcut worlds: a guessed SFT solution is only the boxed sentence, no reasoning."""
     train_path: str | None = None
     """Files: training set (.jsonl/.json/.parquet) with question/answer columns."""
     val_path: str | None = None
