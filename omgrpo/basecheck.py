@@ -21,16 +21,34 @@ in the shortcut worlds (guess rates > 0).
 
 from __future__ import annotations
 
+import json
 import math
+import random
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from omgrpo.answers import extract_boxed, normalize
 from omgrpo.tasks.base import Problem
-from omgrpo.tasks.toy import ToyWorldSpec, last_result
+from omgrpo.tasks.toy import ToyWorldSpec, draw_difficulty, last_result, make_problem
 
-__all__ = ["DifficultyStats", "acceptance", "difficulty_stats", "wilson_interval"]
+__all__ = [
+    "DifficultyStats",
+    "acceptance",
+    "check_problems",
+    "difficulty_stats",
+    "format_checks",
+    "measure_base",
+    "read_base_checks",
+    "wilson_interval",
+    "write_base_checks",
+]
 
+CHECKS_FILE = "checks.json"
 RATE_TOLERANCE = 0.3  # relative band around an SFT rate
 ZERO_RATE_BAND = 0.01  # absolute band when the SFT rate is 0
 MIN_ANSWER_ENTROPY = 0.3  # nats, shortcut worlds only
@@ -151,3 +169,104 @@ def acceptance(
         "by_difficulty": [asdict(s) for s in stats],
         "answer_entropy": answer_entropy,
     }
+
+
+def check_problems(spec: ToyWorldSpec, n: int, seed: int, exclude: set[str]) -> list[Problem]:
+    """`n` problems of the world that the base has never seen (disjoint from `exclude`, its SFT
+    questions and the RL splits), drawn from their own seed."""
+    rng = random.Random(f"omgrpo-toy-check-{seed}")
+    out: list[Problem] = []
+    for attempt in range(50 * n + 1000):
+        p = make_problem(rng, spec, f"check-{attempt}", draw_difficulty(rng, spec))
+        if p.question not in exclude:
+            exclude = exclude | {p.question}
+            out.append(p)
+            if len(out) == n:
+                break
+    return out
+
+
+@torch.no_grad()
+def measure_base(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    spec: ToyWorldSpec,
+    *,
+    k: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 64,
+) -> dict:
+    """Sample `k` responses per problem at the training temperature and return `acceptance`'s
+    verdicts, including the mean entropy (nats) of the policy over answer-span tokens."""
+    from omgrpo.rollout import response_logits, sample, stop_token_ids
+    from omgrpo.trainer import PromptEncoder, extract
+
+    torch.manual_seed(0)
+    encode = PromptEncoder(tokenizer, max_len=10_000)
+    seqs = sample(
+        model,
+        [encode(p) for p in problems],
+        n=k,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=1.0,
+        eos_id=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+    )
+    texts, _, answer_mask = extract(tokenizer, seqs)
+    entropies = []
+    for rows in torch.arange(len(seqs)).split(256):
+        part = seqs.select(rows)
+        logp = torch.log_softmax(response_logits(model, part, pad_id=tokenizer.pad_token_id), -1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        entropies.append(entropy[answer_mask[rows]])
+    answer_entropy = torch.cat(entropies)
+    groups = [texts[i * k : (i + 1) * k] for i in range(len(problems))]
+    return acceptance(
+        difficulty_stats(problems, groups, spec),
+        spec,
+        float(answer_entropy.mean()) if answer_entropy.numel() else None,
+    )
+
+
+def write_base_checks(
+    base_dir: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    spec: ToyWorldSpec,
+    n_problems: int,
+    seed: int,
+    exclude: set[str],
+) -> dict:
+    """Measure a freshly trained base (`measure_base` on `n_problems` unseen problems), write
+    `checks.json` into `base_dir` and print the verdict."""
+    start = time.perf_counter()
+    verdict = measure_base(model, tokenizer, check_problems(spec, n_problems, seed, exclude), spec)
+    verdict["seconds"] = round(time.perf_counter() - start, 1)
+    (Path(base_dir) / CHECKS_FILE).write_text(json.dumps(verdict, indent=2))
+    print(format_checks(verdict), flush=True)
+    return verdict
+
+
+def read_base_checks(base_dir: Path) -> dict | None:
+    """The stored verdict of a base, or None if it was never checked."""
+    path = Path(base_dir) / CHECKS_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def format_checks(verdict: dict) -> str:
+    """One line per check and per difficulty, for logs and reports."""
+    head = "base checks: " + ("PASSED" if verdict["passed"] else "FAILED")
+    lines = [head]
+    for c in verdict["checks"]:
+        mark = "ok  " if c["passed"] else "FAIL"
+        ci = f" (95% CI {c['ci95'][0]:.3f}-{c['ci95'][1]:.3f})" if "ci95" in c else ""
+        lines.append(f"  {mark} {c['check']}: {c['measured']}{ci}, target {c['target']}")
+    for d in verdict["by_difficulty"]:
+        lines.append(
+            f"  {d['difficulty']}: {d['problems']} problems, avg@k {d['avg_acc']:.3f}, "
+            f"pass@k {d['pass_at_k']:.3f}, guess rate {d['guess_rate']:.3f}, "
+            f"wrong-answer collisions {d['collision_rate']:.3f}, peak share {d['peak_share']:.3f}"
+        )
+    return "\n".join(lines)

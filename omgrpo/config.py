@@ -110,6 +110,10 @@ class WarmStartConfig:
     ranges), so CAR runs on a base that never saw the CAR prompt (see `car/unclosed`)."""
     seed: int = 0
     """Seed of the initial weights and SFT batches."""
+    check_problems: int = 128
+    """Unseen problems, sampled 8 times each, for the base's acceptance checks (guess rates,
+    answer-token entropy, accuracy by difficulty; omgrpo.basecheck), stored as checks.json
+    beside the base. 0 skips them. Not part of the base's cache key."""
 
 
 @dataclass

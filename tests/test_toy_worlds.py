@@ -165,3 +165,29 @@ def test_world_presets(experiment, guess_rates, peak_p, bare):
     assert (spec.guess_rate_easy, spec.guess_rate_hard) == guess_rates
     assert (spec.guess_peak_p, spec.bare_guess) == (peak_p, bare)
     assert spec.hard_share == (0.0 if experiment == "toy" else 0.5)
+
+
+def test_a_new_base_is_checked_and_the_verdict_stored(tiny_overrides, tmp_path, capsys):
+    """The warm start measures a new shortcut-world base and writes checks.json beside it."""
+    from omgrpo.basecheck import read_base_checks
+    from omgrpo.config import compose
+    from omgrpo.models.toy import ensure_toy_base
+
+    overrides = [o for o in tiny_overrides if "check_problems" not in o]
+    cfg = compose(
+        [
+            "experiment=toy_shortcut",
+            *overrides,
+            "model.warm_start.check_problems=6",
+            f"model.cache_dir={tmp_path}",
+        ]
+    )
+    base = ensure_toy_base(cfg.model, cfg.task, exclude_questions=set())
+    verdict = read_base_checks(base)
+    present = {d["difficulty"] for d in verdict["by_difficulty"]}
+    assert {c["check"] for c in verdict["checks"]} == {f"guess_rate/{d}" for d in present} | {
+        "answer_entropy"
+    }
+    assert sum(d["problems"] for d in verdict["by_difficulty"]) == 6
+    assert not verdict["passed"]  # 5 SFT steps teach nothing: reported as failing
+    assert "base checks: FAILED" in capsys.readouterr().out

@@ -145,7 +145,7 @@ def make_problem(
     )
 
 
-def _draw_difficulty(rng: random.Random, spec: ToyWorldSpec) -> str:
+def draw_difficulty(rng: random.Random, spec: ToyWorldSpec) -> str:
     # No draw at all without a hard regime, so the faithful world's splits are unchanged.
     if spec.hard_share <= 0:
         return "easy"
@@ -190,7 +190,7 @@ def generate_toy_splits(
                     f"toy task: cannot draw {n} distinct {name} problems from {spec}; "
                     "widen the ranges or ask for fewer problems"
                 )
-            p = make_problem(rng, spec, f"{name}-{len(out)}", _draw_difficulty(rng, spec))
+            p = make_problem(rng, spec, f"{name}-{len(out)}", draw_difficulty(rng, spec))
             if p.question in seen:
                 continue
             seen.add(p.question)
@@ -213,7 +213,7 @@ def generate_sft_problems(
     attempts = 0
     while len(out) < n and attempts < 50 * n + 1000:
         attempts += 1
-        p = make_problem(rng, spec, f"sft-{len(out)}", _draw_difficulty(rng, spec))
+        p = make_problem(rng, spec, f"sft-{len(out)}", draw_difficulty(rng, spec))
         if p.question in exclude:
             continue
         difficulty = p.meta["difficulty"]
