@@ -186,6 +186,9 @@ class RewardConfig:
 class AlgorithmConfig:
     answer_weight: float = 0.0
     """w: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla GRPO)."""
+    answer_kl_weight: float | None = None
+    """Weight of answer-span tokens in the KL term alone; null = answer_weight (the paper: both
+    terms masked). 1 with answer_weight 0 masks the PG term but keeps the KL anchor on answers."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
