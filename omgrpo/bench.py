@@ -11,6 +11,7 @@ unit tests. Each benchmark runs the real trainer in one process on the toy prese
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
-    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out)
+    with contextlib.redirect_stdout(sys.stderr):  # training's console; stdout is the result
+        result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out)
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)

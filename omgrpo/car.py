@@ -188,7 +188,7 @@ def enumerate_pairs(
 
 def _prompt_head(tokenizer: Any, question: str) -> str:
     """The chat-template part of the CAR prompt (system + question + assistant header), the
-    same text as the rollout prompt (`omgrpo.trainer.PromptEncoder`)."""
+    same text as the rollout prompt (`omgrpo.tasks.PromptEncoder`)."""
     messages = build_messages(question)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

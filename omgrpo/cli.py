@@ -1,4 +1,4 @@
-"""`omgrpo` command line: train | (more subcommands land with their issues).
+"""`omgrpo` command line: train, sync, sweep, bench, eval, data, tables, figures, report.
 
 `omgrpo train [key=value ...] [--multirun]` is a Hydra app over `experiments/config.yaml`;
 everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` and
@@ -28,6 +28,14 @@ commands:
                          run a W&B sweep file's grid locally (resumable; finished runs skipped)
   bench car [--steps N] [--json] [overrides...]
                          per-stage seconds of MV, OM-GRPO, OM-GRPO + CAR, and n = 16 / 64
+  eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
+                         [--backend native|vllm]
+                         sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)
+                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md)
+  data convert SOURCE --out FILE.jsonl [--split S] [--config C]
+                         a local benchmark copy (file or HF datasets cache) -> question/answer rows
+  tables RUNS_OR_EVALS... --out DIR
+                         the paper's tables (markdown + LaTeX) from eval summaries
   figures RUNS... --out DIR
                          the paper's figures (PNG + PDF) from run directories
   report RUNS... --out reports/<name>/
@@ -53,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         from omgrpo.bench import main as bench_main
 
         return bench_main(rest)
-    if command in {"figures", "report"}:
+    if command in {"eval", "data"}:
+        from omgrpo.eval import cli as eval_cli
+
+        return getattr(eval_cli, f"{command}_main")(rest)
+    if command in {"figures", "report", "tables"}:
         from omgrpo.analysis import cli as analysis_cli
 
         return getattr(analysis_cli, f"{command}_main")(rest)

@@ -151,7 +151,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     """Longest response (tokens)."""
     max_prompt_len: int = 512
-    """Longer prompts are refused with an error naming the problem."""
+    """Longest prompt (tokens, chat template included); every train/val prompt is checked at
+    setup and the error lists the longer ones (file, line, id)."""
 
 
 @dataclass
@@ -178,8 +179,11 @@ class RewardConfig:
     """Optional weight per part (a part not listed here has weight 1.0)."""
     math_verify: bool = True
     """Fall back to math-verify when normalised answers differ (off: string/number match only)."""
-    equivalence_timeout: int = 5
-    """Seconds before a hung math-verify parse is killed (an int)."""
+    equivalence_timeout: float = 5.0
+    """Seconds one answer pair may spend in the math-verify worker before it is killed."""
+    grading_budget_s: float = 10.0
+    """Seconds of math-verify work per training step, shared by all its answer comparisons;
+    past it, undecided pairs count as different and `answers/grading_timeouts` counts them."""
 
 
 @dataclass
@@ -237,12 +241,19 @@ class TrainerConfig:
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk."""
+    keep_best: str | None = "val/acc"
+    """Also keep the checkpoint with the best value of this logged metric (validation split),
+    for `omgrpo eval --checkpoint best`; null keeps only the newest."""
     log_rollouts_every: int = 5
     """Write the step's rollouts to the run store every N steps (and at step 1)."""
     max_consecutive_skips: int = 3
     """Abort after this many consecutive steps with a NaN/inf loss."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar when stderr is a terminal (false: plain lines, as in a log)."""
+    log_every: int = 1
+    """Print a one-line summary (step, reward, answers per prompt, kl/answer, kl/reasoning,
+    last val/acc, s/step) every N steps when stdout is not a terminal or there is no bar;
+    0: never."""
     threads: int | None = None
     """torch CPU threads (null: torch's default)."""
 

@@ -1,6 +1,6 @@
 """`omgrpo sweep`: run a W&B sweep file's grid locally, in parallel and resumably.
 
-    omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [extra overrides...]
+    omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [--retry-failed] [overrides...]
 
 The sweep files in `sweeps/` are ordinary W&B sweep configs (`method: grid`, `parameters`
 whose names are Hydra override keys, `command: ${env} ${interpreter} -m omgrpo train
@@ -13,14 +13,19 @@ subprocess:
 - `run.experiment` defaults to the sweep file's name (the run group), unless the sweep or the
   extra overrides set it, or the grid varies `experiment` (then each preset's own
   `run.experiment` keeps the runs apart, as it does under a W&B agent);
-- a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; a
-  partially written one is re-run with `run.resume=true`;
+- a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; so
+  is one that says `failed` (it raised: the error is in status.json and the log; rerunning
+  would most likely fail again) unless `--retry-failed`; any other partially written run
+  (killed, or still `running` after a kill -9) is re-run with `run.resume=true`;
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
 - `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
   MLflow store is created once beforehand (parallel first migrations would race) and each toy
   base the runs need is trained once beforehand with all cores;
 - `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
-  failed, listing their logs.
+  failed, listing their logs;
+- `--eval SUITE [--eval-checkpoint last,best,base] [--tables DIR]`: after training, every
+  finished run is evaluated (`omgrpo eval`, resumable, output appended to the run's log) and
+  the paper's tables are written to DIR (`omgrpo tables`), so a sweep ends in its table.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import yaml
 __all__ = ["Run", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
 
 DONE_STATES = {"finished", "collapsed"}
+FAILED_STATE = "failed"
 SCALAR_TYPES = (str, int, float, bool)
 
 
@@ -179,8 +185,11 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def plan_runs(path: str | Path, extra: list[str] | None = None) -> list[Run]:
-    """Expand a sweep file into runs: overrides, composed name, and what to do with each."""
+def plan_runs(
+    path: str | Path, extra: list[str] | None = None, retry_failed: bool = False
+) -> list[Run]:
+    """Expand a sweep file into runs: overrides, composed name, and what to do with each
+    (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
     from omgrpo.tracking import default_mlflow_uri
 
@@ -220,7 +229,9 @@ def plan_runs(path: str | Path, extra: list[str] | None = None) -> list[Run]:
             )
         seen[key] = overrides
         status = read_status(root / name)
-        if status.get("state") in DONE_STATES:
+        if status.get("state") in DONE_STATES or (
+            status.get("state") == FAILED_STATE and not retry_failed
+        ):
             state = "skip"
         elif (root / name).exists():
             state = "resume"
@@ -313,6 +324,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", "-j", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
     parser.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="also rerun (resume) runs whose status.json says failed (skipped by default)",
+    )
+    parser.add_argument(
+        "--eval", metavar="SUITE", help="evaluate finished runs on this suite (paper, toy, YAML)"
+    )
+    parser.add_argument(
+        "--eval-checkpoint",
+        default="last",
+        help="comma-separated checkpoints to evaluate (last, best, base, step_N; default last)",
+    )
+    parser.add_argument("--tables", metavar="DIR", help="with --eval: write the tables here")
+    parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides for every run (key=value)"
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
@@ -320,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be >= 1")
 
     try:
-        runs = plan_runs(args.sweep_file, args.overrides)
+        runs = plan_runs(args.sweep_file, args.overrides, retry_failed=args.retry_failed)
     except SweepError as e:
         print(f"omgrpo sweep: {e}", file=sys.stderr)
         return 2
@@ -341,7 +366,58 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
         return 0
 
-    return _execute(sweep_name, runs, todo, args.jobs)
+    status = _execute(sweep_name, runs, todo, args.jobs)
+    if args.eval:
+        checkpoints = [c.strip() for c in args.eval_checkpoint.split(",") if c.strip()]
+        status = max(status, _evaluate(runs, args.eval, checkpoints, args.jobs))
+        if args.tables:
+            from omgrpo.analysis.paper_tables import write_tables
+
+            try:
+                tabled = next((c for c in checkpoints if c != "base"), "last")
+                dirs = [r.dir for r in runs if r.dir.exists()]
+                path = write_tables(dirs, args.tables, tabled)
+                print(f"tables: {path}")
+            except FileNotFoundError as e:
+                print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
+                status = max(status, 1)
+    return status
+
+
+def _evaluate(runs: list[Run], suite: str, checkpoints: list[str], jobs: int) -> int:
+    """`omgrpo eval` on every finished run (a subprocess each, `jobs` at once, output
+    appended to the run's log); finished evaluations are kept. Returns 1 if any failed."""
+    done = [r for r in runs if read_status(r.dir).get("state") in DONE_STATES]
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+
+    def one(run: Run, checkpoint: str) -> tuple[Run, str, int]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "omgrpo",
+            "eval",
+            str(run.dir),
+            "--suite",
+            suite,
+            "--checkpoint",
+            checkpoint,
+        ]
+        with run.log.open("a") as log:
+            log.write(f"=== omgrpo sweep: {' '.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+        return run, checkpoint, proc.returncode
+
+    print(f"evaluating {len(done)} finished run(s) on suite {suite} ({', '.join(checkpoints)})")
+    failed = 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, r, c) for r in done for c in checkpoints]
+        for future in as_completed(futures):
+            run, checkpoint, code = future.result()
+            word = "evaluated" if code == 0 else f"EVAL FAILED (exit {code}, log: {run.log})"
+            print(f"  {word} {run.name} [{checkpoint}]", flush=True)
+            failed += code != 0
+    return 1 if failed else 0
 
 
 def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> int:
@@ -361,12 +437,15 @@ def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> in
         return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))
 
     console.print(
-        f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished "
+        f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished or failed "
         f"(skipped), {len(todo)} to run with {jobs} at once"
     )
     for r in runs:
         if r.state == "skip":
-            console.print(f"  skipped {r.name} ({r.status.get('state')})")
+            error = r.status.get("error") or {}
+            why = f": {error.get('type')}: {error.get('message')}" if error else ""
+            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
+            console.print(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
 
     with Progress(
         TextColumn("[bold]{task.description}"),

@@ -29,12 +29,19 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
-from omgrpo.answers import equivalent, extract_boxed, set_math_verify
+from omgrpo.answers import (
+    GradingBudget,
+    equivalent,
+    extract_boxed,
+    grading_scope,
+    set_math_verify,
+    use_grading_budget,
+)
 from omgrpo.car import generate_pair_answers, top_vote_metrics
-from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
+from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.diagnostics import (
     CollapseDetector,
     answer_diagnostics,
@@ -55,7 +62,7 @@ from omgrpo.rewards import compute_rewards, get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -78,7 +85,13 @@ class StageTimer:
 
 def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
-    step as if the process were killed (used to test resume)."""
+    step as if the process were killed (used to test resume). An exception marks the run
+    `failed` in status.json, with the error."""
+    with RunStore(Path(cfg.run.root) / cfg.run.name).recording_failures():
+        return _train(cfg, stop_after)
+
+
+def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     config = to_container(cfg)
     check_config(cfg)
     store = RunStore(Path(cfg.run.root) / cfg.run.name)
@@ -109,6 +122,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     coreward = "coreward" in cfg.reward.parts
     if coreward and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
+    check_prompt_lengths(splits, encode, paraphrases=coreward)
 
     steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
     total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
@@ -133,9 +147,9 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         "collapse": None,
     }
     start = 0
-    checkpoint = store.latest_checkpoint() if cfg.run.resume else None
+    checkpoint = load_latest_intact_checkpoint(store, config) if cfg.run.resume else None
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, config)
+        state = checkpoint[1]
         policy.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -144,7 +158,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         store.truncate_metrics(start)
         print(f"resuming {store.dir} from step {start}")
     else:
-        store.truncate_metrics(0)
+        store.truncate_metrics(-1)
         store.write_config(config)
     store.write_status(state="running", step=start, total_steps=total_steps, base_model=base)
     c = cfg.collapse
@@ -160,26 +174,31 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         name=cfg.run.name,
         group=cfg.run.experiment,
         tags=list(cfg.run.tags),
-        resume=checkpoint is not None,
+        resume_step=start if checkpoint is not None else None,
     )
-    with tracker:  # ends the trackers' runs as finished / failed / killed
+    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
+    with tracker, grading_scope():
+        console = Progress(
+            cfg.run.name,
+            total_steps,
+            TRAIN_FIELDS,
+            start=start,
+            every=cfg.trainer.log_every,
+            bar=cfg.trainer.progress,
+        )
         val_problems = splits.val[: cfg.eval.num_prompts]
         if start == 0 and cfg.eval.every > 0 and val_problems:
             metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
             store.log_metrics(0, metrics0)
             tracker.log_metrics(0, metrics0)
+            console.update(0, metrics0)
 
-        bar = tqdm(
-            range(start + 1, total_steps + 1),
-            initial=start,
-            total=total_steps,
-            desc=cfg.run.name,
-            disable=not cfg.trainer.progress,
-            dynamic_ncols=True,
-        )
-        last_val: dict[str, float] = {}
-        for step in bar:
+        for step in range(start + 1, total_steps + 1):
             timer = StageTimer(device)
+            # all of this step's answer comparisons share one budget (omgrpo.answers)
+            grading = use_grading_budget(
+                GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
+            )
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
@@ -306,6 +325,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 **update,
                 "lr": scheduler.get_last_lr()[0],
                 "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
+                "answers/grading_timeouts": grading.timeouts,
             }
             timer.seconds["step"] = sum(timer.seconds.values())
             metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
@@ -316,14 +336,13 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 and val_problems
                 and (step % cfg.eval.every == 0 or step == total_steps)
             ):
-                last_val = validate(
-                    policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"]
+                metrics.update(
+                    validate(policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"])
                 )
-                metrics.update(last_val)
             collapsed_now = detector.update(step, metrics)
             if collapsed_now:
                 metrics["collapse/detected_step"] = step
-                tqdm.write(
+                console.write(
                     f"collapse detected at step {step}: "
                     f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
                     f"'{metrics['answers/batch_mode']}' in "
@@ -349,15 +368,11 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                     loop_state=loop,
                     config=config,
                 )
-                store.prune_checkpoints(cfg.trainer.keep_checkpoints)
+                store.prune_checkpoints(cfg.trainer.keep_checkpoints, cfg.trainer.keep_best)
             store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
-            bar.set_postfix(
-                reward=f"{metrics['reward/total']:.2f}",
-                val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
-                uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
-            )
+            console.update(step, metrics)
             if collapsed_now and cfg.collapse.stop:
-                bar.close()
+                console.close()
                 store.write_status(
                     state="collapsed",
                     step=step,
@@ -368,7 +383,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 return store.dir
             if stop_after is not None and step >= stop_after:
                 return store.dir  # simulated kill (tests): no "finished" status
-        bar.close()
+        console.close()
         store.write_status(
             state="finished", step=total_steps, total_steps=total_steps, base_model=base
         )
@@ -392,31 +407,6 @@ def check_config(cfg) -> None:
         raise ValueError("algorithm.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO)")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
-
-
-class PromptEncoder:
-    """Question -> prompt token ids through the model's chat template (paper's template)."""
-
-    def __init__(self, tokenizer, max_len: int):
-        self.tokenizer, self.max_len, self.cache = tokenizer, max_len, {}
-
-    def __call__(self, problem: Problem) -> list[int]:
-        if problem.question not in self.cache:
-            messages = build_messages(problem.question)
-            if self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            else:  # base models without a template: the same content as plain text
-                text = f"{messages[0]['content']}\n\n{problem.question}\n"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_len:
-                raise ValueError(
-                    f"problem {problem.id}: prompt has {len(ids)} tokens, more than "
-                    f"rollout.max_prompt_len={self.max_len}"
-                )
-            self.cache[problem.question] = ids
-        return self.cache[problem.question]
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:

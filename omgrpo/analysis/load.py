@@ -410,14 +410,15 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
     frames = []
     for run in runs:
         config = {k: v for k, v in dict(run.config).items() if not str(k).startswith("_")}
-        rows = []
+        points: dict[int, dict[str, Any]] = {}
         for row in run.scan_history():
             step = row.get("train/step", row.get("_step"))
             if step is None:
                 continue
-            rows.append(
-                {"train/step": step, **{k: v for k, v in row.items() if not k.startswith("_")}}
-            )
+            # one row per step; a step logged again (a resumed run) keeps its latest values
+            values = {k: v for k, v in row.items() if not k.startswith("_")}
+            points.setdefault(int(step), {}).update(values)
+        rows = [{**values, "train/step": step} for step, values in sorted(points.items())]
         ident = _identity(config, None)
         if not (config.get("run") or {}).get("name"):
             ident["run"] = run.name
@@ -453,9 +454,10 @@ def t_critical(dof: int, confidence: float = 0.95) -> float:
 def aggregate_seeds(
     df: pd.DataFrame, metric: str, by: Sequence[str] = ("experiment", "variant", "step")
 ) -> pd.DataFrame:
-    """Mean, std (ddof 1), n and 95% CI half-width (`ci95`, Student t) of `metric` over the
-    rows of each `by` group (by default: over seeds, per experiment, variant and step). Rows
-    where the metric is NaN are left out; n = 1 gives std and ci95 NaN."""
+    """Mean, std (ddof 1), n, min, max and 95% CI half-width (`ci95`, Student t) of `metric`
+    over the rows of each `by` group (by default: over seeds, per experiment, variant and step).
+    Rows where the metric is NaN are left out; n = 1 gives std and ci95 NaN. Figures and tables
+    show ci95 only from 3 seeds on (`omgrpo.analysis.figures.MIN_SEEDS_FOR_CI`)."""
     by = list(by)
     missing = [c for c in [*by, metric] if c not in df.columns]
     if missing:
@@ -464,10 +466,10 @@ def aggregate_seeds(
     data[metric] = pd.to_numeric(data[metric], errors="coerce")
     data = data.dropna(subset=[metric])
     if data.empty:
-        return pd.DataFrame(columns=[*by, "mean", "std", "n", "ci95"])
+        return pd.DataFrame(columns=[*by, "mean", "std", "n", "min", "max", "ci95"])
     out = (
         data.groupby(by, sort=True, dropna=False)[metric]
-        .agg(mean="mean", std="std", n="count")
+        .agg(mean="mean", std="std", n="count", min="min", max="max")
         .reset_index()
     )
     out["n"] = out["n"].astype("int64")

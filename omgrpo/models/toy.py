@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from omgrpo.basecheck import write_base_checks
 from omgrpo.car import car_prompt
+from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.losses import token_logprobs_and_entropy
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.rollout import Sequences, left_pad, response_logits, right_pad
@@ -104,6 +104,7 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
         car_share=ws.car_share,
     )
     # Write to a temporary directory and rename, so parallel runs never see half a model.
+    quiet_library_bars()
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -193,8 +194,8 @@ def sft(
     )
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc="warm start (SFT)", leave=False, disable=not os.isatty(2))
-    for _ in bar:
+    progress = Progress("warm start (SFT)", steps, {"loss": "loss"}, every=max(steps // 20, 1))
+    for step in range(1, steps + 1):
         pool = car if car and rng.random() < car_share else examples
         batch = rng.sample(pool, min(batch_size, len(pool)))
         prompt_ids, prompt_mask = left_pad([a for a, _ in batch], tokenizer.pad_token_id)
@@ -209,6 +210,7 @@ def sft(
         optim.step()
         sched.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        progress.update(step, {"loss": losses[-1]})
+    progress.close()
     model.eval()
     return losses
