@@ -200,7 +200,8 @@ def measure_base(
     """Sample `k` responses per problem at the training temperature and return `acceptance`'s
     verdicts, including the mean entropy (nats) of the policy over answer-span tokens."""
     from omgrpo.rollout import response_logits, sample, stop_token_ids
-    from omgrpo.trainer import PromptEncoder, extract
+    from omgrpo.tasks.prompts import PromptEncoder
+    from omgrpo.trainer import extract
 
     torch.manual_seed(0)
     encode = PromptEncoder(tokenizer, max_len=10_000)
