@@ -62,6 +62,28 @@ class TaskConfig:
     """Toy: largest multiplier."""
     max_value: int = 99
     """Toy: every intermediate value stays in [0, max_value]."""
+    hard_share: float = 0.0
+    """Toy: share of problems from the hard regime (`hard_steps` ops, values <= `hard_max_value`)."""
+    hard_steps: int = 3
+    """Toy: operations per hard problem."""
+    hard_max_start: int = 20
+    """Toy: largest starting value of hard problems."""
+    hard_max_operand: int = 20
+    """Toy: largest operand of + and - in hard problems."""
+    hard_max_factor: int = 5
+    """Toy: largest multiplier in hard problems."""
+    hard_max_value: int = 99
+    """Toy: value range of hard problems."""
+    guess_rate_easy: float = 0.0
+    """Toy shortcut worlds: share of easy SFT solutions that box a guess (docs/toy-worlds.md)."""
+    guess_rate_hard: float = 0.0
+    """Toy shortcut worlds: share of hard SFT solutions that box a guess."""
+    guess_peak: int = 1
+    """Toy shortcut worlds: the guess prior's peak value."""
+    guess_peak_p: float = 0.6
+    """Toy shortcut worlds: P(guess = guess_peak), else uniform; 0 = flat prior."""
+    bare_guess: bool = False
+    """Toy shortcut worlds: a guessed SFT solution is only the boxed sentence, no reasoning."""
     train_path: str | None = None
     """Files: training set (.jsonl/.json/.parquet) with question/answer columns."""
     val_path: str | None = None
@@ -89,6 +111,10 @@ class WarmStartConfig:
     ranges), so CAR runs on a base that never saw the CAR prompt (see `car/unclosed`)."""
     seed: int = 0
     """Seed of the initial weights and SFT batches."""
+    check_problems: int = 128
+    """Unseen problems, sampled 8 times each, for the base's acceptance checks (guess rates,
+    answer-token entropy, accuracy by difficulty; omgrpo.basecheck), stored as checks.json
+    beside the base. 0 skips them. Not part of the base's cache key."""
 
 
 @dataclass
@@ -169,6 +195,9 @@ class AlgorithmConfig:
     answer_weight: float = 0.0
     """w >= 0: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla
     GRPO, between: the paper's soft down-weighting; above 1 up-weights the answer)."""
+    answer_kl_weight: float | None = None
+    """Weight (>= 0) of answer-span tokens in the KL term alone; null = answer_weight (the paper:
+    both terms masked). 1 with answer_weight 0 masks the PG term but keeps the KL anchor."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
@@ -195,6 +224,10 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
         raise ValueError(
             f"{prefix}.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO), "
             f"got {algo.answer_weight}"
+        )
+    if algo.answer_kl_weight is not None and algo.answer_kl_weight < 0:
+        raise ValueError(
+            f"{prefix}.answer_kl_weight must be >= 0 or null, got {algo.answer_kl_weight}"
         )
     if algo.adv_eps < 0:
         raise ValueError(f"{prefix}.adv_eps must be >= 0, got {algo.adv_eps}")

@@ -486,6 +486,7 @@ def ppo_update(
                     part.response_mask,
                     answer_mask[idx].to(device),
                     answer_weight=algo.answer_weight,
+                    answer_kl_weight=algo.answer_kl_weight,
                     format_advantages=None if format_adv is None else format_adv[idx].to(device),
                     clip=algo.clip,
                     kl_coef=algo.kl_coef,

@@ -219,6 +219,10 @@ def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     loss_fn = trainer.make_loss_fn()
     assert loss_fn.func is omgrpo_ppo_loss and loss_fn.keywords["answer_weight"] == 0.25
     assert loss_fn.keywords["config"].kl_loss_coef == 0.005
+    # a separate KL weight on answer tokens reaches the loss; the PG weight w stays 0.25
+    anchored = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "method=om_grpo_kl_anchor"])
+    assert anchored.omgrpo.algorithm.answer_weight == 0.0
+    assert OmgrpoTrainer(anchored).make_loss_fn().keywords["answer_weight"] == 1.0
 
 
 def test_math_verify_switch_reaches_driver_and_reward_workers(monkeypatch):

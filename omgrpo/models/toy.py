@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from omgrpo.basecheck import write_base_checks
 from omgrpo.car import car_prompt
 from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.losses import token_logprobs_and_entropy
@@ -59,6 +60,7 @@ def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
 
 def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
     warm_start = dict(model_cfg.warm_start)
+    warm_start.pop("check_problems", None)  # measured after training, does not change weights
     if not warm_start.get("car_share"):  # bases trained before CAR batches existed keep their key
         warm_start.pop("car_share", None)
     spec = {
@@ -114,6 +116,17 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     }
     (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2))
     print(f"warm start: done in {meta['seconds']} s (final loss {meta['final_loss']})", flush=True)
+    if ws.check_problems > 0:
+        sft_questions = {p.question for p in problems}
+        write_base_checks(
+            tmp,
+            model,
+            tokenizer,
+            spec,
+            ws.check_problems,
+            ws.seed,
+            exclude_questions | sft_questions,
+        )
     try:
         tmp.rename(out)
     except OSError:  # another process finished first: use theirs

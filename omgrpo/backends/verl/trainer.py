@@ -108,11 +108,10 @@ class OmgrpoTrainer(PPOTrainerSync):
         """The actor loss to install on the workers: built from the same actor config the
         workers use (as verl builds the critic's loss on the driver)."""
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        return partial(
-            omgrpo_ppo_loss,
-            config=actor_config,
-            answer_weight=float(self.omgrpo.algorithm.answer_weight),
-        )
+        algo = self.omgrpo.algorithm
+        kl_weight = algo.answer_weight if algo.answer_kl_weight is None else algo.answer_kl_weight
+        # the PG weight w is applied to the advantages; the loss weights the KL term only
+        return partial(omgrpo_ppo_loss, config=actor_config, answer_weight=float(kl_weight))
 
     def on_init_end(self) -> None:
         self.actor_rollout_wg.set_loss_fn(self.make_loss_fn())
