@@ -200,8 +200,8 @@ def measure_base(
     """Sample `k` responses per problem at the training temperature and return `acceptance`'s
     verdicts, including the mean entropy (nats) of the policy over answer-span tokens."""
     from omgrpo.rollout import response_logits, sample, stop_token_ids
+    from omgrpo.step import decode_responses
     from omgrpo.tasks.prompts import PromptEncoder
-    from omgrpo.trainer import extract
 
     torch.manual_seed(0)
     encode = PromptEncoder(tokenizer, max_len=10_000)
@@ -215,7 +215,8 @@ def measure_base(
         eos_id=stop_token_ids(tokenizer, model),
         pad_id=tokenizer.pad_token_id,
     )
-    texts, _, answer_mask = extract(tokenizer, seqs)
+    responses = decode_responses(tokenizer, seqs.response_ids, seqs.response_mask)
+    texts, answer_mask = responses.texts, responses.answer_mask
     entropies = []
     for rows in torch.arange(len(seqs)).split(256):
         part = seqs.select(rows)
