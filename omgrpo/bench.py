@@ -1,5 +1,11 @@
 """Benchmarks with JSON output (`omgrpo bench <name> [--json]`); speed targets live here, not in
-unit tests. Each benchmark runs the real trainer in one process on the toy preset.
+unit tests. Each benchmark runs the real trainer on the toy preset.
+
+`step`: seconds per training step by stage (gen, car, old/ref log-probs, reward, adv, update),
+  rollout tokens/s and peak memory for majority voting at 16 x 8 and 64 x 8 (prompts x rollout.n),
+  each shape in a fresh process (so peak memory is that shape's). `--baseline DIR` runs the same
+  shapes with the omgrpo source tree in DIR (e.g. a `git worktree` of an older commit) right
+  after, and reports new-over-old speed-ups measured in the same run.
 
 `car`: the cost of CAR against its alternatives, per training step:
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
@@ -12,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -75,7 +83,87 @@ def bench_car(
     }
 
 
-BENCHMARKS = {"car": bench_car}
+STEP_SHAPES = {"16x8": ["trainer.prompts_per_step=16"], "64x8": ["trainer.prompts_per_step=64"]}
+
+# Runs in a fresh process: `train()` on the given overrides, then the mean of every timing column
+# over the steps after the first (a warm-up). Only uses APIs that older trees have too, so the
+# same script measures a baseline checkout.
+_MEASURE = """
+import json, sys, tempfile
+from omgrpo.config import compose
+from omgrpo.store import RunStore
+from omgrpo.trainer import train
+steps, overrides = int(sys.argv[1]), sys.argv[2:]
+with tempfile.TemporaryDirectory() as root:
+    run = train(compose([*overrides, f"run.root={root}", "run.name=bench"]))
+    df = RunStore(run).read_metrics()
+df = df[df["train/step"] >= (2 if steps > 1 else 1)]
+cols = [c for c in df.columns if c.startswith(("time/", "mem/", "perf/", "response/length"))]
+print("BENCH-RESULT " + json.dumps({c: float(df[c].mean()) for c in cols}))
+"""
+
+
+def _measure(overrides: list[str], steps: int, source: Path | None = None) -> dict:
+    """Mean per-step figures of one shape, trained in a fresh process (`source`: the omgrpo tree
+    to import, default this one)."""
+    env = dict(os.environ)
+    if source is not None:
+        env["PYTHONPATH"] = str(Path(source).resolve())
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(steps), *overrides],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stdout
+    line = next(x for x in out.splitlines() if x.startswith("BENCH-RESULT "))
+    return json.loads(line.removeprefix("BENCH-RESULT "))
+
+
+def bench_step(
+    steps: int = 3,
+    overrides: list[str] | None = None,
+    partial: Path | None = None,
+    baseline: Path | None = None,
+) -> dict:
+    fixed = [
+        "method=mv",
+        "eval.every=0",
+        "trainer.progress=false",
+        "tracking.mlflow=false",
+        "tracking.wandb=false",
+        "trainer.save_every=0",
+        f"trainer.steps={steps}",
+        *(overrides or []),
+    ]
+    # A relative cache dir would differ between this tree and the baseline's working dir.
+    cache = Path(compose(fixed).model.cache_dir).resolve()
+    fixed.append(f"model.cache_dir={cache}")
+    result: dict = {"benchmark": "step", "steps_averaged": max(1, steps - 1), "overrides": fixed}
+    result["new"], result["old"] = {}, {}
+    for shape, extra in STEP_SHAPES.items():
+        print(f"bench step: {shape} ({steps} steps)", file=sys.stderr, flush=True)
+        result["new"][shape] = _measure([*fixed, *extra], steps)
+        if baseline is not None:  # back to back with the new tree, same shape, same base
+            print(f"bench step: {shape} baseline {baseline}", file=sys.stderr, flush=True)
+            result["old"][shape] = _measure([*fixed, *extra], steps, source=baseline)
+        if partial is not None:
+            partial.write_text(json.dumps({"partial": True, **result}, indent=2))
+    if baseline is not None:
+        result["baseline"] = str(baseline)
+        result["speedup"] = {
+            shape: {
+                key: result["old"][shape][key] / result["new"][shape][key]
+                for key in ("time/step", "time/gen")
+            }
+            for shape in STEP_SHAPES
+        }
+    else:
+        del result["old"]
+    return result
+
+
+BENCHMARKS = {"car": bench_car, "step": bench_step}
 
 
 def main(argv: list[str]) -> int:
@@ -84,16 +172,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps per variant (first dropped)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument(
+        "--baseline", type=Path, help="step: also measure the omgrpo tree in this directory"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
-    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out)
+    kwargs = {"baseline": ns.baseline} if ns.name == "step" else {}
+    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs)
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)
-    if ns.json:
-        print(text)
-    else:
-        print(text)
+    print(text)
+    if not ns.json and ns.name == "car":
         r = result["ratios"]
         print(
             f"time/car / time/gen = {r['car_over_gen']:.2f} (target <= 0.5); "

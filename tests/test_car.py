@@ -20,10 +20,10 @@ from omgrpo.car import (
     generate_pair_answers,
     generate_pair_answers_plain,
     parse_pair_answer,
-    prefix_tree_forward,
     top_vote_acc,
     top_vote_metrics,
 )
+from omgrpo.engine import prefix_tree_forward
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
 from omgrpo.rewards import REWARDS, make_group

@@ -23,9 +23,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from omgrpo.car import car_prompt
+from omgrpo.engine import left_pad, right_pad
 from omgrpo.losses import token_logprobs_and_entropy
 from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.rollout import Sequences, left_pad, response_logits, right_pad
+from omgrpo.rollout import Sequences, response_logits
 from omgrpo.tasks.base import build_messages
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
