@@ -61,7 +61,7 @@ import torch
 
 from omgrpo.answers import cluster
 from omgrpo.engine import decode, prefix_tree_forward, stop_token_ids
-from omgrpo.tasks import build_messages
+from omgrpo.tasks import render_prompt
 
 __all__ = [
     "CAR_INTRO",
@@ -178,19 +178,10 @@ def enumerate_pairs(
     return pairs
 
 
-def _prompt_head(tokenizer: Any, question: str) -> str:
-    """The chat-template part of the CAR prompt (system + question + assistant header), the
-    same text as the rollout prompt (`omgrpo.trainer.PromptEncoder`)."""
-    messages = build_messages(question)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{messages[0]['content']}\n\n{question}\n"  # base models without a template
-
-
 def car_prompt(tokenizer: Any, question: str, solution_1: str, solution_2: str) -> str:
     """The paper's CAR prompt: the model's chat template (system prompt of the paper, the
     question, an open assistant turn) followed by the two solutions and an opened `\\boxed{`."""
-    return car_text(_prompt_head(tokenizer, question), solution_1, solution_2)
+    return car_text(render_prompt(tokenizer, question), solution_1, solution_2)
 
 
 def car_text(head: str, solution_1: str, solution_2: str) -> str:
@@ -376,7 +367,7 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
         cut, n_cut = _truncate(tokenizer, list(sols), cfg.max_solution_tokens)
         truncated += n_cut
         solutions.append(cut)
-        heads.append(_prompt_head(tokenizer, question))
+        heads.append(render_prompt(tokenizer, question))
         pairs.append(enumerate_pairs(len(sols), cfg.pairs_per_anchor, rng))
 
     # Rows in (group, anchor, partner) order; anchors are never split across chunks.

@@ -5,6 +5,7 @@ One step, top to bottom:
   2. sample G rollouts per prompt with the current policy              time/gen
   3. extract each rollout's last \\boxed{} answer and its token span
   4. old and reference log-probs (+ token entropy, self-certainty)    time/old_logprob, ref
+     (no old pass with one update per step: the update's own forward gives them)
   5. rewards over each group (soft vote + format for OM-GRPO)         time/reward
   6. GRPO advantages; answer-span tokens weighted by w               time/adv
   7. PPO epochs over mini-batches of the clipped surrogate + k3 KL    time/update
@@ -55,7 +56,7 @@ from omgrpo.rewards import compute_rewards, get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.spans import answer_mask_for_ids
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, build_messages, load_task
+from omgrpo.tasks import TASKS, Problem, load_task, render_prompt
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -223,10 +224,13 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                         rng=random.Random(f"{cfg.seed}-car-{step}"),
                     )
 
-            # 4. old / reference log-probs (and token stats some rewards need)
+            # 4. old / reference log-probs (and token stats some rewards need); with a single
+            # update per step the old policy is the updated one: the update reuses its forward
             need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
-            with timer("old_logprob"):
-                old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
+            old = {"logprobs": None}
+            if need_stats or not single_update(cfg.algorithm, len(seqs)):
+                with timer("old_logprob"):
+                    old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
             ref_logprobs = None
             if ref is not None:
                 with timer("ref_logprob"):
@@ -402,13 +406,7 @@ class PromptEncoder:
 
     def __call__(self, problem: Problem) -> list[int]:
         if problem.question not in self.cache:
-            messages = build_messages(problem.question)
-            if self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            else:  # base models without a template: the same content as plain text
-                text = f"{messages[0]['content']}\n\n{problem.question}\n"
+            text = render_prompt(self.tokenizer, problem.question)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) > self.max_len:
                 raise ValueError(
@@ -491,6 +489,12 @@ def make_groups(
     return groups
 
 
+def single_update(algo, batch: int) -> bool:
+    """One optimizer step per training step (one PPO epoch, one mini-batch): the old policy's
+    log-probs are then the update's own, detached."""
+    return algo.ppo_epochs == 1 and (algo.mini_batch_size or batch) >= batch
+
+
 def ppo_update(
     policy,
     optimizer,
@@ -504,7 +508,8 @@ def ppo_update(
     grad_clip: float,
 ) -> dict[str, Any]:
     """PPO epochs over mini-batches; micro-batches accumulate gradients with the mini-batch's
-    token count as the denominator. A non-finite loss or gradient skips the whole step."""
+    token count as the denominator. A non-finite loss or gradient skips the whole step.
+    `old_logprobs` None: the policy's own (only valid for a `single_update`)."""
     B = len(seqs)
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
@@ -523,7 +528,7 @@ def ppo_update(
                 logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
                 loss, metrics = grpo_loss(
                     logprobs,
-                    old_logprobs[idx].to(device),
+                    logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
                     None if ref_logprobs is None else ref_logprobs[idx].to(device),
                     advantages[idx].to(device),
                     part.response_mask,

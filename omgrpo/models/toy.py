@@ -22,17 +22,18 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from omgrpo.car import car_prompt
+from omgrpo.car import car_prompt, car_text
 from omgrpo.engine import left_pad, right_pad
 from omgrpo.losses import token_logprobs_and_entropy
-from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
 from omgrpo.rollout import Sequences, response_logits
-from omgrpo.tasks.base import build_messages
+from omgrpo.tasks.base import render_prompt
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
 # Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.
 TOY_BASE_VERSION = 1
 SFT_PROBLEMS = 20_000
+TOKENIZER_PROBLEMS = 2_000  # the toy BPE's vocabulary saturates well before
 
 
 def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen3ForCausalLM:
@@ -64,6 +65,8 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
         warm_start.pop("car_share", None)
     spec = {
         "version": TOY_BASE_VERSION,
+        # char bases keep the key they had before the tokenizer became a setting
+        **({} if model_cfg.tokenizer == "char" else {"tokenizer": model_cfg.tokenizer}),
         "arch": [
             model_cfg.hidden_size,
             model_cfg.num_layers,
@@ -83,12 +86,12 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     out = Path(model_cfg.cache_dir) / f"toy-base-{key}"
     if (out / "config.json").exists():
         return out
-    tokenizer = build_char_tokenizer()
     ws = model_cfg.warm_start
     print(f"warm start: training the toy base ({ws.steps} SFT steps) into {out}", flush=True)
-    model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     spec = ToyWorldSpec.from_config(task_cfg)
     problems = generate_sft_problems(SFT_PROBLEMS, ws.seed, spec, exclude_questions)
+    tokenizer = build_tokenizer(model_cfg.tokenizer, toy_corpus(problems[:TOKENIZER_PROBLEMS]))
+    model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     car = car_examples(tokenizer, problems, spec, ws.seed) if ws.car_share > 0 else []
     start = time.perf_counter()
     losses = sft(
@@ -121,6 +124,16 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     return out
 
 
+def toy_corpus(problems: list) -> list[str]:
+    """Text the toy BPE is trained on: rendered prompts with their worked solutions, and the
+    CAR template (ChatML rendered by the character tokenizer, which carries the same
+    template)."""
+    chatml = build_char_tokenizer()
+    return [render_prompt(chatml, p.question) + p.solution for p in problems] + [
+        car_text("", "", "")
+    ]
+
+
 Example = tuple[list[int], list[int]]  # (prompt ids, target ids); the loss is on the target
 
 
@@ -128,9 +141,7 @@ def solution_examples(tokenizer: PreTrainedTokenizerBase, problems: list) -> lis
     """Question -> worked solution + EOS, in the rollout prompt format."""
     examples = []
     for p in problems:
-        prompt = tokenizer.apply_chat_template(
-            build_messages(p.question), tokenize=False, add_generation_prompt=True
-        )
+        prompt = render_prompt(tokenizer, p.question)
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         target_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"]
         examples.append((prompt_ids, [*target_ids, tokenizer.eos_token_id]))
