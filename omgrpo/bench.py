@@ -11,7 +11,8 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
   at n = 16 and n = 64 rollouts per prompt. Reports mean seconds per stage (the first step is
   a warm-up and is dropped) and the ratios `car_over_gen` = time/car / time/gen in (c) and
-  `step_car_over_mv` = time/step (c) / (a).
+  `step_car_over_mv` = time/step (c) / (a); `--variants` picks a subset (a and c always). Also
+  CAR's achieved matmul FLOP/s against a dense matmul in the same process (`throughput`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from omgrpo.config import compose
 from omgrpo.store import RunStore
@@ -37,7 +41,10 @@ CAR_VARIANTS = {
 
 
 def bench_car(
-    steps: int = 3, overrides: list[str] | None = None, partial: Path | None = None
+    steps: int = 3,
+    overrides: list[str] | None = None,
+    partial: Path | None = None,
+    variants: list[str] | None = None,
 ) -> dict:
     from omgrpo.trainer import train
 
@@ -50,9 +57,17 @@ def bench_car(
         f"trainer.steps={steps}",
         *(overrides or []),
     ]
+    chosen = variants or list(CAR_VARIANTS)
+    unknown = sorted(set(chosen) - set(CAR_VARIANTS))
+    if unknown or not {"a_mv", "c_om_grpo_car"} <= set(chosen):
+        raise ValueError(
+            f"bench car --variants: unknown {unknown}; valid: {', '.join(CAR_VARIANTS)} "
+            "(a_mv and c_om_grpo_car are always needed)"
+        )
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        for name, variant in CAR_VARIANTS.items():
+        for name in chosen:
+            variant = CAR_VARIANTS[name]
             print(f"bench car: {name} ({steps} steps)", file=sys.stderr, flush=True)
             run = train(compose([*fixed, *variant, f"run.root={root}", f"run.name={name}"]))
             df = RunStore(run).read_metrics()
@@ -68,10 +83,13 @@ def bench_car(
     ratios = {
         "car_over_gen": c["time/car"] / c["time/gen"],
         "step_car_over_mv": c["time/step"] / a["time/step"],
-        "step_n16_over_car": results["d_om_grpo_n16"]["time/step"] / c["time/step"],
-        "step_n64_over_car": results["d_om_grpo_n64"]["time/step"] / c["time/step"],
+        **{
+            f"step_{name[2:]}_over_car": results[name]["time/step"] / c["time/step"]
+            for name in ("d_om_grpo_n16", "d_om_grpo_n64")
+            if name in results
+        },
     }
-    targets = {"car_over_gen": 0.5, "step_car_over_mv": 1.3}
+    targets = {"car_over_gen": 1.5, "step_car_over_mv": 2.0}  # CPU targets (issue 11)
     return {
         "benchmark": "car",
         "steps_averaged": max(1, steps - 1),
@@ -80,7 +98,66 @@ def bench_car(
         "ratios": ratios,
         "targets": targets,
         "meets_targets": {k: ratios[k] <= v for k, v in targets.items()},
+        "throughput": car_throughput(compose([*fixed, "method=om_grpo"])),
     }
+
+
+def car_throughput(cfg, repeats: int = 2) -> dict:
+    """CAR's achieved matmul FLOP/s on one step's pairs against a dense fp32 matmul in the same
+    process. FLOPs are counted by `torch.utils.flop_counter` (matmuls and attention; the
+    element-wise work is not counted), on rollouts sampled from the base for the first
+    `prompts_per_step` training problems."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from omgrpo.car import generate_pair_answers
+    from omgrpo.models.loading import base_model_dir, load_model, load_tokenizer, resolve_device
+    from omgrpo.rollout import sample, stop_token_ids
+    from omgrpo.tasks import load_task, render_prompt
+
+    splits = load_task(cfg.task)
+    base = base_model_dir(cfg.model, cfg.task, splits)
+    device = resolve_device(cfg.model.device)
+    tokenizer = load_tokenizer(base)
+    model = load_model(base, device, torch.float32).eval()
+    problems = splits.train[: cfg.trainer.prompts_per_step]
+    G = cfg.rollout.n
+    torch.manual_seed(cfg.seed)
+    seqs = sample(
+        model,
+        [tokenizer(render_prompt(tokenizer, p.question))["input_ids"] for p in problems],
+        n=G,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        eos_id=stop_token_ids(tokenizer, model),
+        pad_id=tokenizer.pad_token_id,
+    )
+    texts = tokenizer.batch_decode(seqs.response_ids, skip_special_tokens=True)
+    groups = [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)]
+    with FlopCounterMode(display=False) as counter:
+        generate_pair_answers(model, tokenizer, groups, cfg.car, rng=0)
+    seconds = min(
+        _seconds(lambda: generate_pair_answers(model, tokenizer, groups, cfg.car, rng=0))
+        for _ in range(repeats)
+    )
+    n = 1024
+    x, y = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    dense = min(_seconds(lambda: x @ y) for _ in range(5))
+    car_flops = counter.get_total_flops() / seconds
+    matmul_flops = 2 * n**3 / dense
+    return {
+        "car_gflop_per_s": car_flops / 1e9,
+        "matmul_gflop_per_s": matmul_flops / 1e9,
+        "car_share_of_matmul": car_flops / matmul_flops,
+        "car_gflop": counter.get_total_flops() / 1e9,
+        "car_seconds": seconds,
+    }
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 STEP_SHAPES = {"16x8": ["trainer.prompts_per_step=16"], "64x8": ["trainer.prompts_per_step=64"]}
@@ -175,9 +252,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--baseline", type=Path, help="step: also measure the omgrpo tree in this directory"
     )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: text.split(","),
+        help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
-    kwargs = {"baseline": ns.baseline} if ns.name == "step" else {}
+    kwargs = {"baseline": ns.baseline} if ns.name == "step" else {"variants": ns.variants}
     result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs)
     text = json.dumps(result, indent=2)
     if ns.out:
@@ -186,7 +268,7 @@ def main(argv: list[str]) -> int:
     if not ns.json and ns.name == "car":
         r = result["ratios"]
         print(
-            f"time/car / time/gen = {r['car_over_gen']:.2f} (target <= 0.5); "
-            f"step(CAR) / step(MV) = {r['step_car_over_mv']:.2f} (target <= 1.3)"
+            f"time/car / time/gen = {r['car_over_gen']:.2f} (target <= 1.5); "
+            f"step(CAR) / step(MV) = {r['step_car_over_mv']:.2f} (target <= 2.0)"
         )
     return 0

@@ -138,14 +138,16 @@ Example = tuple[list[int], list[int]]  # (prompt ids, target ids); the loss is o
 
 
 def solution_examples(tokenizer: PreTrainedTokenizerBase, problems: list) -> list[Example]:
-    """Question -> worked solution + EOS, in the rollout prompt format."""
-    examples = []
-    for p in problems:
-        prompt = render_prompt(tokenizer, p.question)
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        target_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids, [*target_ids, tokenizer.eos_token_id]))
-    return examples
+    """Question -> worked solution + EOS, in the rollout prompt format. The toy's ChatML
+    template puts the question in verbatim, so it is rendered once and every prompt is
+    tokenized in one batch call (rendering 20k prompts one by one took most of a minute)."""
+    slot = "\x00"
+    head, tail = render_prompt(tokenizer, slot).split(slot)
+    texts = [head + p.question + tail for p in problems]
+    assert not problems or texts[0] == render_prompt(tokenizer, problems[0].question)
+    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    targets = tokenizer([p.solution for p in problems], add_special_tokens=False)["input_ids"]
+    return [(a, [*b, tokenizer.eos_token_id]) for a, b in zip(prompts, targets)]
 
 
 def car_examples(
