@@ -5,7 +5,8 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   rollout tokens/s and peak memory for majority voting at 16 x 8 and 64 x 8 (prompts x rollout.n),
   each shape in a fresh process (so peak memory is that shape's). `--baseline DIR` runs the same
   shapes with the omgrpo source tree in DIR (e.g. a `git worktree` of an older commit) right
-  after, and reports new-over-old speed-ups measured in the same run.
+  after, and reports new-over-old speed-ups measured in the same run (`--new-only KEY=VALUE`:
+  overrides the baseline does not know, e.g. `model.tokenizer=char`).
 
 `car`: the cost of CAR against its alternatives, per training step:
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
@@ -107,6 +108,7 @@ def car_throughput(cfg, repeats: int = 2) -> dict:
     process. FLOPs are counted by `torch.utils.flop_counter` (matmuls and attention; the
     element-wise work is not counted), on rollouts sampled from the base for the first
     `prompts_per_step` training problems."""
+    from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
     from omgrpo.car import generate_pair_answers
@@ -134,8 +136,10 @@ def car_throughput(cfg, repeats: int = 2) -> dict:
     )
     texts = tokenizer.batch_decode(seqs.response_ids, skip_special_tokens=True)
     groups = [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)]
+    # Counted with eager attention: the counter does not see the CPU SDPA kernel's matmuls.
+    eager = OmegaConf.merge(cfg.car, {"prefer_sdpa": False})
     with FlopCounterMode(display=False) as counter:
-        generate_pair_answers(model, tokenizer, groups, cfg.car, rng=0)
+        generate_pair_answers(model, tokenizer, groups, eager, rng=0)
     seconds = min(
         _seconds(lambda: generate_pair_answers(model, tokenizer, groups, cfg.car, rng=0))
         for _ in range(repeats)
@@ -176,18 +180,22 @@ with tempfile.TemporaryDirectory() as root:
     df = RunStore(run).read_metrics()
 df = df[df["train/step"] >= (2 if steps > 1 else 1)]
 cols = [c for c in df.columns if c.startswith(("time/", "mem/", "perf/", "response/length"))]
-print("BENCH-RESULT " + json.dumps({c: float(df[c].mean()) for c in cols}))
+result = {c: float(df[c].mean()) for c in cols}
+import omgrpo
+result["source"] = omgrpo.__file__
+print("BENCH-RESULT " + json.dumps(result))
 """
 
 
 def _measure(overrides: list[str], steps: int, source: Path | None = None) -> dict:
     """Mean per-step figures of one shape, trained in a fresh process (`source`: the omgrpo tree
     to import, default this one)."""
-    env = dict(os.environ)
-    if source is not None:
-        env["PYTHONPATH"] = str(Path(source).resolve())
+    # `python -c` imports from its working directory first: run in the tree to measure.
+    tree = Path(source or Path(__file__).resolve().parent.parent).resolve()
+    env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(steps), *overrides],
+        cwd=tree,
         env=env,
         stdout=subprocess.PIPE,
         text=True,
@@ -202,6 +210,7 @@ def bench_step(
     overrides: list[str] | None = None,
     partial: Path | None = None,
     baseline: Path | None = None,
+    new_only: list[str] | None = None,
 ) -> dict:
     fixed = [
         "method=mv",
@@ -217,10 +226,11 @@ def bench_step(
     cache = Path(compose(fixed).model.cache_dir).resolve()
     fixed.append(f"model.cache_dir={cache}")
     result: dict = {"benchmark": "step", "steps_averaged": max(1, steps - 1), "overrides": fixed}
+    result["new_only"] = new_only or []
     result["new"], result["old"] = {}, {}
     for shape, extra in STEP_SHAPES.items():
         print(f"bench step: {shape} ({steps} steps)", file=sys.stderr, flush=True)
-        result["new"][shape] = _measure([*fixed, *extra], steps)
+        result["new"][shape] = _measure([*fixed, *extra, *(new_only or [])], steps)
         if baseline is not None:  # back to back with the new tree, same shape, same base
             print(f"bench step: {shape} baseline {baseline}", file=sys.stderr, flush=True)
             result["old"][shape] = _measure([*fixed, *extra], steps, source=baseline)
@@ -253,13 +263,24 @@ def main(argv: list[str]) -> int:
         "--baseline", type=Path, help="step: also measure the omgrpo tree in this directory"
     )
     parser.add_argument(
+        "--new-only",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="step: an override for this tree only (keys the baseline does not know)",
+    )
+    parser.add_argument(
         "--variants",
         type=lambda text: text.split(","),
         help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
     )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
-    kwargs = {"baseline": ns.baseline} if ns.name == "step" else {"variants": ns.variants}
+    kwargs = (
+        {"baseline": ns.baseline, "new_only": ns.new_only}
+        if ns.name == "step"
+        else {"variants": ns.variants}
+    )
     result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs)
     text = json.dumps(result, indent=2)
     if ns.out:
