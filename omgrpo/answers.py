@@ -1,7 +1,16 @@
 """Final-answer handling: ``\\boxed{}`` extraction, MATH-style normalisation, equivalence, clustering.
 
 Every vote-based reward is computed on :func:`cluster` ids, so this module must be fast, total
-(never raises) and deterministic.
+(never raises) and deterministic, and must never merge two answers that denote different values.
+
+Equivalence is exact: plain arithmetic is evaluated as rationals in-process (`omgrpo.exact`,
+which also states the one tolerance rule: a decimal with ≥ 6 significant digits approximates a
+non-decimal value within one unit of its last digit, so ``0.333333`` ≈ ``\\frac13``); other
+numbers are compared exactly with sympy, and sets, intervals, equations and expressions by
+math-verify, both in a killable worker process. Time is bounded: answers longer than
+``MAX_ANSWER_CHARS`` are not parsed, and worker calls draw from a `GradingBudget` shared by a
+whole training step (``reward.grading_budget_s``); past it, pairs fall back to normalised-string
+identity and are counted (``answers/grading_timeouts``).
 """
 
 from __future__ import annotations
@@ -9,23 +18,33 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import math
 import multiprocessing
 import os
 import re
 import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from omgrpo.exact import PLAIN_NUMBER, decimal_ulp, exact_value, values_match
+
 __all__ = [
+    "MAX_ANSWER_CHARS",
     "Boxed",
+    "GradingBudget",
     "cluster",
     "equivalent",
     "extract_boxed",
+    "grading_budget",
+    "grading_scope",
     "normalize",
     "set_math_verify",
+    "use_grading_budget",
 ]
 
 logger = logging.getLogger(__name__)
@@ -137,10 +156,11 @@ _BARE_LEADING_DOT = re.compile(r"(?<![\w.})\]])\.(?=\d)")
 _DECIMAL = re.compile(r"(?<![\w.])(\d+)\.(\d+)(?![\d.])")
 _LEADING_ZEROS = re.compile(r"(?<![\w.])0+(?=\d)")
 _INT_SLASH_INT = re.compile(r"([+-]?)(\d+)/(\d+)")
-_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
-_SIMPLE_RATIONAL = re.compile(r"(-?)(?:(\d+(?:\.\d+)?)|\\frac\{(\d+)\}\{(\d+)\})")
 
 _MAX_PASSES = 8
+MAX_ANSWER_CHARS = 1000
+"""Longer answers are not normalised or graded: they match only an identical string. (Final
+answers are short; this bounds the work a degenerate rollout can cause.)"""
 
 
 def _spacing_repl(m: re.Match[str]) -> str:
@@ -209,8 +229,8 @@ def _remove_spaces(s: str) -> str:
     return _SPACES.sub(repl, s)
 
 
-def _read_arg(s: str, i: int) -> tuple[str, int] | None:
-    """Read one macro argument at ``s[i:]``; return it braced, plus the index after it."""
+def _read_arg(s: str, i: int, partners: dict[int, int]) -> tuple[int, int, bool] | None:
+    """One macro argument at ``s[i:]`` (after spaces): (start, end, already braced)."""
     n = len(s)
     while i < n and s[i] == " ":
         i += 1
@@ -218,62 +238,94 @@ def _read_arg(s: str, i: int) -> tuple[str, int] | None:
         return None
     c = s[i]
     if c == "{":
-        close = _match_brace(s, i)
-        if close < 0:
-            return None
-        return s[i : close + 1], close + 1
+        close = partners.get(i, -1)
+        return None if close < 0 else (i, close + 1, True)
     if c == "\\":
         j = i + 1
         while j < n and s[j].isalpha():
             j += 1
         if j == i + 1:  # control symbol like `\{`
             j = min(i + 2, n)
-        return "{" + s[i:j] + "}", j
+        return i, j, False
     if c in "}^_&=,()[]":
         return None
-    return "{" + c + "}", i + 1
+    return i, i + 1, False
 
 
 def _fix_frac_sqrt(s: str) -> str:
-    """``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (handles nesting)."""
+    """``\\frac12`` → ``\\frac{1}{2}``, ``\\sqrt2`` → ``\\sqrt{2}`` (nested too), in linear time.
+
+    Every macro's arguments are read in the original string (braces matched once), and the
+    edits are only added braces and dropped spaces, applied together at the end.
+    """
     if "\\frac" not in s and "\\sqrt" not in s:
         return s
-    # Right to left, so fixing an inner/later macro never shifts an earlier match's offset.
-    for m in reversed(list(_FRAC_OR_SQRT.finditer(s))):
+    partners = _brace_partners(s)
+    opens: dict[int, int] = {}  # index -> `{` to insert before it
+    closes: dict[int, int] = {}  # index -> `}` to insert before it
+    drops: dict[int, int] = {}  # start -> end of spaces to drop before an argument
+    token_end = 0  # end of the last bare token braced: a macro inside it is that argument
+    for m in _FRAC_OR_SQRT.finditer(s):
+        if m.start() < token_end:  # e.g. the `\sqrt` of `\frac\sqrt2`
+            continue
         pos = m.end()
-        pieces: list[str] = []
-        if m.group(1) == "sqrt":
-            if pos < len(s) and s[pos] == "[":  # optional root index `\sqrt[3]{x}`
-                close = s.find("]", pos)
-                if close < 0:
-                    continue
-                pieces.append(s[pos : close + 1])
-                pos = close + 1
-            nargs = 1
-        else:
-            nargs = 2
-        for _ in range(nargs):
-            arg = _read_arg(s, pos)
+        if m.group(1) == "sqrt" and pos < len(s) and s[pos] == "[":  # root index `\sqrt[3]{x}`
+            close = s.find("]", pos)
+            if close < 0:
+                continue
+            pos = close + 1
+        args: list[tuple[int, int, int, bool]] = []  # (spaces start, start, end, braced)
+        for _ in range(1 if m.group(1) == "sqrt" else 2):
+            arg = _read_arg(s, pos, partners)
             if arg is None:
                 break
-            pieces.append(arg[0])
+            args.append((pos, *arg))
             pos = arg[1]
         else:
-            fixed = "".join(pieces)
-            if fixed != s[m.end() : pos]:  # rebuild only when needed (keeps clean input linear)
-                s = s[: m.end()] + fixed + s[pos:]
-    return s
+            for before, start, end, braced in args:
+                if start > before:
+                    drops[before] = start
+                if not braced:
+                    opens[start] = opens.get(start, 0) + 1
+                    closes[end] = closes.get(end, 0) + 1
+                    token_end = max(token_end, end)
+    if not (opens or drops):
+        return s
+    out: list[str] = []
+    last = 0
+    for p in sorted(opens.keys() | closes.keys() | drops.keys()):
+        out.append(s[last:p] + "}" * closes.get(p, 0) + "{" * opens.get(p, 0))
+        last = drops.get(p, p)
+    out.append(s[last:])
+    return "".join(out)
+
+
+def _brace_partners(s: str) -> dict[int, int]:
+    """``{open index: close index}`` of every matched brace pair, in one pass."""
+    partners: dict[int, int] = {}
+    stack: list[int] = []
+    for m in _BRACE_TOKEN.finditer(s):
+        if m.group() == "{":
+            stack.append(m.start())
+        elif m.group() == "}" and stack:
+            partners[stack.pop()] = m.start()
+    return partners
 
 
 def _unwrap_outer(s: str) -> str:
-    """``{5}`` → ``5``; ``\\boxed{5}`` passed in whole → ``5``."""
+    """``{5}`` → ``5``; ``\\boxed{5}`` passed in whole → ``5``. Linear: braces matched once."""
+    if not s.startswith(("{", "\\boxed{", "\\fbox{")):
+        return s
+    partners = _brace_partners(s)
+    i, j = 0, len(s)  # the answer is s[i:j]
     while True:
         for prefix in ("{", "\\boxed{", "\\fbox{"):
-            if s.startswith(prefix) and _match_brace(s, len(prefix) - 1) == len(s) - 1:
-                s = s[len(prefix) : -1]
+            k = i + len(prefix) - 1  # index of the prefix's `{`
+            if s.startswith(prefix, i) and partners.get(k) == j - 1:
+                i, j = k + 1, j - 1
                 break
         else:
-            return s
+            return s[i:j]
 
 
 def _normalize_numbers(s: str) -> str:
@@ -289,7 +341,7 @@ def _normalize_numbers(s: str) -> str:
 
     s = _DECIMAL.sub(fix_decimal, s)
     s = _LEADING_ZEROS.sub("", s)
-    if s.startswith("+") and _PLAIN_NUMBER.fullmatch(s):
+    if s.startswith("+") and PLAIN_NUMBER.fullmatch(s):
         s = s[1:]
     if s == "-0":
         s = "0"
@@ -341,9 +393,15 @@ def _normalize_cached(answer: str) -> str:
 
 
 def normalize(answer: str) -> str:
-    """MATH-style normalisation (Hendrycks ``strip_string`` plus extras). Never raises."""
+    """MATH-style normalisation (Hendrycks ``strip_string`` plus extras). Never raises.
+
+    Answers longer than ``MAX_ANSWER_CHARS`` are unparseable: returned stripped but otherwise
+    as they are (and graded by string identity only).
+    """
     if not isinstance(answer, str):
         answer = str(answer)
+    if len(answer) > MAX_ANSWER_CHARS and len(answer.strip()) > MAX_ANSWER_CHARS:
+        return answer.strip()
     try:
         return _normalize_cached(answer)
     except Exception:
@@ -355,82 +413,200 @@ def normalize(answer: str) -> str:
 # Equivalence
 # --------------------------------------------------------------------------------------------
 
+DEFAULT_GRADING_BUDGET_S = 10.0
+"""Seconds of math-verify work one `GradingBudget` allows by default (`reward.grading_budget_s`)."""
+DEFAULT_PAIR_TIMEOUT_S = 5.0
+"""Seconds one answer pair may take in the worker by default (`reward.equivalence_timeout`)."""
+_RESULT_GRACE_S = 0.2  # waiting this much past a task's timeout lets pebble's own timeout fire
+
 _MATH_VERIFY_ENABLED = True
 _POOL: Any = None
 _POOL_PID: int | None = None
 _POOL_LOCK = threading.Lock()
+_PAIR_CACHE: dict[tuple[Any, Any], bool | None] = {}  # None: timed out with the full pair timeout
+_PAIR_CACHE_SIZE = 100_000
+
+# One answer as the worker sees it: normalised text, exact value (if plain arithmetic), and the
+# unit of its last digit if the decimal rule of `omgrpo.exact` applies to it.
+_Side = tuple[str, Fraction | None, Fraction | None]
+
+
+@dataclass
+class GradingBudget:
+    """Worker time shared by every `cluster` / `equivalent` call of one training step.
+
+    Each math-verify call is charged its wall time (a worker restart after a kill included) and
+    may run at most ``min(pair_timeout, seconds left)``. Once the budget is spent, undecided
+    pairs fall back to normalised-string identity (not equivalent) and count in `timeouts`, as do
+    pairs whose call timed out.
+    """
+
+    seconds: float = DEFAULT_GRADING_BUDGET_S
+    pair_timeout: float = DEFAULT_PAIR_TIMEOUT_S
+    spent: float = 0.0
+    timeouts: int = 0
+
+    def left(self) -> float:
+        return self.seconds - self.spent
+
+
+_BUDGET: ContextVar[GradingBudget | None] = ContextVar("omgrpo_grading_budget", default=None)
+
+
+def use_grading_budget(budget: GradingBudget) -> GradingBudget:
+    """Make `budget` the one later `cluster` / `equivalent` calls in this context draw from, up
+    to the end of the enclosing `grading_scope` (the trainer sets one per step). Returns it."""
+    _BUDGET.set(budget)
+    return budget
+
+
+@contextmanager
+def grading_scope() -> Iterator[None]:
+    """Budgets set with `use_grading_budget` inside the block end with it."""
+    token = _BUDGET.set(None)
+    try:
+        yield
+    finally:
+        _BUDGET.reset(token)
+
+
+@contextmanager
+def grading_budget(
+    seconds: float = DEFAULT_GRADING_BUDGET_S, pair_timeout: float = DEFAULT_PAIR_TIMEOUT_S
+) -> Iterator[GradingBudget]:
+    """A fresh `GradingBudget` shared by the calls inside the block."""
+    with grading_scope():
+        budget = GradingBudget(seconds=float(seconds), pair_timeout=float(pair_timeout))
+        use_grading_budget(budget)
+        yield budget
+
+
+def _active_budget() -> GradingBudget:
+    """The budget set for this context, else a fresh default one for this call alone."""
+    return _BUDGET.get() or GradingBudget()
 
 
 def set_math_verify(enabled: bool) -> None:
-    """Turn the math-verify fallback on/off (off: only normalised/numeric equality count)."""
+    """Turn the math-verify fallback on/off (off: only normalised/exact equality count)."""
     global _MATH_VERIFY_ENABLED
     _MATH_VERIFY_ENABLED = bool(enabled)
 
 
+# ---- worker side (runs in the pool process; sympy / math-verify are imported only there) ----
+
+
 def _mv_init() -> None:
-    # Pay the sympy/antlr import inside the initializer: pebble starts a task's timeout clock
-    # only once the worker acknowledges it, i.e. after this has run.
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" warnings
-    import math_verify  # noqa: F401
+    import math_verify.grader
+
+    # math-verify rounds floats to 6 places and chops differences below ~1e-15 when it compares
+    # numbers (so 1/2^99 "equals" 1/2^98, also inside sets, intervals and equations): compare
+    # numbers exactly instead.
+    math_verify.grader.sympy_numeric_eq = _mv_numeric_eq
 
 
-def _mv_worker(gold: str, pred: str) -> bool:
-    """Runs in the pool worker. math-verify's own SIGALRM timeouts are disabled; pebble enforces."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    g = parse(f"${gold}$", extraction_config=config, parsing_timeout=None)
-    p = parse(f"${pred}$", extraction_config=config, parsing_timeout=None)
-    if not g or not p:
-        return False
-    # verify() is asymmetric (assignment/interval handling); clustering needs symmetry.
-    return bool(verify(g, p, timeout_seconds=None) or verify(p, g, timeout_seconds=None))
+_NOT_ALNUM = re.compile(r"[^0-9A-Za-z]+")
 
 
-def _mv_kind_worker(text: str) -> tuple[str, float | None]:
-    """Runs in the pool worker: what math-verify makes of one answer. ("none", None) when it
-    extracts nothing; ("num", value) for a real number (`3+4`, `\\sqrt{2}/2`); ("sym", None) for
-    an expression with free symbols (never equal to a number); ("other", None) otherwise (sets,
-    intervals, equations, ...: decided pairwise)."""
-    import sympy
+@functools.lru_cache(maxsize=4096)
+def _mv_parse(text: str) -> tuple[Any, ...]:
+    """math-verify's reading of a whole answer; () if it reads nothing or only a piece of it
+    (it extracts ``9`` from ``9ab`` and ``1,2,3`` from ``1,2,3,\\ldots``)."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
-    parsed = parse(
-        f"${text}$",
-        extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
-        parsing_timeout=None,
-    )
-    if not parsed:
-        return ("none", None)
-    value = parsed[0]
-    if isinstance(value, sympy.Expr):
-        if value.free_symbols:
-            return ("sym", None)
-        if value.is_number:
-            number = complex(value.evalf())
-            if number.imag == 0 and math.isfinite(number.real):
-                return ("num", number.real)
-    return ("other", None)
+    config = [LatexExtractionConfig(), ExprExtractionConfig()]
+    parsed = parse(f"${text}$", extraction_config=config, parsing_timeout=None)
+    if len(parsed) == 2 and isinstance(parsed[1], str):
+        read, whole = _NOT_ALNUM.sub("", parsed[1]), _NOT_ALNUM.sub("", text)
+        if read != whole and read in whole:  # its match is a strict piece of the answer
+            return ()
+    return tuple(parsed)
 
 
-@functools.lru_cache(maxsize=100_000)
-def _math_verify_kind(text: str, timeout: int) -> tuple[str, float | None]:
-    """One worker call per distinct answer (cached), so clustering a group costs O(answers)
-    math-verify calls for numbers and unparseable text instead of O(answers x classes)."""
-    try:
-        return _get_pool().schedule(_mv_kind_worker, args=(text,), timeout=timeout).result()
-    except Exception:  # timeout or worker crash: let the pairwise check decide
-        logger.debug("math-verify parse failed on %r", text, exc_info=True)
-        return ("expr", None)
+def _mv_worker(x: _Side, y: _Side) -> bool:
+    """Whether two answers are equal, decided with sympy / math-verify (in the pool worker).
+
+    Numbers (no free symbols) are compared exactly (`_sympy_numbers_equal`); everything else
+    (sets, intervals, equations, expressions) by math-verify's `verify` in both orders, since
+    clustering needs a symmetric relation. math-verify's own SIGALRM timeouts are disabled:
+    pebble kills the worker instead.
+    """
+    from math_verify import verify
+
+    px, py = _mv_parse(x[0]), _mv_parse(y[0])
+    if not px or not py:
+        return False
+    a, b = _sympy_value(px[0], x[1]), _sympy_value(py[0], y[1])
+    if _is_number(a) and _is_number(b):
+        return _sympy_numbers_equal(a, x[2], b, y[2])
+    gx, gy = list(px), list(py)
+    return bool(verify(gx, gy, timeout_seconds=None) or verify(gy, gx, timeout_seconds=None))
 
 
-def _kind(text: str, rational: Fraction | None, timeout: int) -> tuple[str, float | None]:
-    """Plain numbers and simple fractions are numbers without asking the worker."""
-    if _PLAIN_NUMBER.fullmatch(text):
-        return ("num", float(Decimal(text)))
-    if rational is not None:
-        return ("num", float(rational))
-    return _math_verify_kind(text, timeout)
+def _sympy_value(parsed: Any, exact: Fraction | None) -> Any:
+    import sympy
+
+    if exact is not None:
+        return sympy.Rational(exact.numerator, exact.denominator)
+    return parsed
+
+
+def _is_number(v: Any) -> bool:
+    import sympy
+
+    return isinstance(v, sympy.Expr) and bool(v.is_number)
+
+
+def _exact_sympy(v: Any) -> Any:
+    """Floats become the rational their decimal digits say; unevaluated arithmetic is evaluated."""
+    import sympy
+
+    if isinstance(v, sympy.Float):
+        return sympy.Rational(str(v))
+    return v.doit()
+
+
+def _sympy_numbers_equal(a: Any, a_ulp: Fraction | None, b: Any, b_ulp: Fraction | None) -> bool:
+    """Two sympy numbers: exact for rationals, the decimal rule for a decimal approximation, and
+    otherwise distinct unless they agree to 40 significant digits and sympy cannot prove them
+    different (``(a - b).equals(0)``)."""
+    import sympy
+
+    from omgrpo.exact import values_match
+
+    a, b = _exact_sympy(a), _exact_sympy(b)
+    if not (a.is_finite and b.is_finite):  # infinities, nan, or finiteness unknown
+        return bool(a == b)
+    if a.is_Rational and b.is_Rational:
+        return values_match(
+            Fraction(int(a.p), int(a.q)), a_ulp, Fraction(int(b.p), int(b.q)), b_ulp
+        )
+    if a_ulp is not None or b_ulp is not None:  # decimal approximation of an irrational value
+        approx, ulp, other = (a, a_ulp, b) if a_ulp is not None else (b, b_ulp, a)
+        return bool(
+            abs(sympy.N(other - approx, 30)) < sympy.Rational(ulp.numerator, ulp.denominator)
+        )
+    diff = a - b
+    scale = max(abs(sympy.N(a, 20)), abs(sympy.N(b, 20)))
+    if abs(sympy.N(diff, 50)) > scale * sympy.Rational(1, 10**40):
+        return False
+    return diff.equals(0) is not False
+
+
+def _mv_numeric_eq(a: Any, b: Any, float_rounding: int, numeric_precision: int) -> bool:
+    """Exact stand-in for `math_verify.grader.sympy_numeric_eq` (same signature)."""
+    from sympy import MatrixBase
+
+    if isinstance(a, MatrixBase) and isinstance(b, MatrixBase):
+        return a.shape == b.shape and all(
+            _mv_numeric_eq(x, y, float_rounding, numeric_precision) for x, y in zip(a, b)
+        )
+    if _is_number(a) and _is_number(b):
+        return _sympy_numbers_equal(a, None, b, None)
+    return False  # expressions with symbols: math-verify's symbolic check decides
+
+
+# ---- main-process side ----
 
 
 def _shutdown_pool() -> None:
@@ -444,10 +620,41 @@ def _shutdown_pool() -> None:
             pass
 
 
-def _get_pool() -> Any:
+_FORK = "fork" in multiprocessing.get_all_start_methods()
+_WARM: dict[int, threading.Event] = {}  # pid -> set once this process has warmed up sympy
+
+
+def _warm_up() -> None:
+    """Import and exercise sympy / math-verify in this process (~2-5 s), so that every worker
+    forked from it afterwards, restarts after a kill included, is ready in milliseconds."""
+    try:
+        _mv_init()
+        _mv_worker(("x+1", None, None), ("1+x", None, None))
+    except Exception:
+        logger.warning("math-verify warm-up failed", exc_info=True)
+    finally:
+        _WARM[os.getpid()].set()
+
+
+def _get_pool(wait: float) -> Any:
+    """The worker pool, or None if it is not ready within `wait` seconds.
+
+    With fork, the warm-up runs once per process in a background thread and the pool is built
+    after it, so the caller waits at most `wait` (its budget) and never blocks training for the
+    import; a caller that runs out of time counts a timeout and a later one finds it ready.
+    """
     global _POOL, _POOL_PID
+    pid = os.getpid()
+    if _FORK:
+        with _POOL_LOCK:
+            if pid not in _WARM:
+                _WARM[pid] = threading.Event()
+                threading.Thread(
+                    target=_warm_up, name="omgrpo-math-verify-warm-up", daemon=True
+                ).start()
+        if not _WARM[pid].wait(timeout=max(wait, 0.0)):
+            return None
     with _POOL_LOCK:
-        pid = os.getpid()
         if _POOL is not None and pid == _POOL_PID and _POOL.active:
             return _POOL
         # None yet, inherited through fork() (unusable in the child), or stopped: build anew.
@@ -457,11 +664,10 @@ def _get_pool() -> Any:
         # fork where available: spawn/forkserver re-import the caller's __main__, which re-runs
         # any unguarded user script inside the worker. The forked worker only runs sympy /
         # math-verify code, never torch or CUDA, so inheriting the trainer's state is harmless.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         _POOL = ProcessPool(
             max_workers=1,
             initializer=_mv_init,
-            context=multiprocessing.get_context(method),
+            context=multiprocessing.get_context("fork" if _FORK else "spawn"),
         )
         _POOL_PID = pid
         return _POOL
@@ -470,86 +676,94 @@ def _get_pool() -> Any:
 atexit.register(_shutdown_pool)
 
 
-@functools.lru_cache(maxsize=100_000)
-def _math_verify_equal(x: str, y: str, timeout: int) -> bool:
-    """math-verify in the worker; callers pass the pair sorted so the cache is symmetric."""
+def _remember(key: tuple[Any, Any], outcome: bool | None) -> None:
+    if len(_PAIR_CACHE) >= _PAIR_CACHE_SIZE:
+        _PAIR_CACHE.clear()
+    _PAIR_CACHE[key] = outcome
+
+
+def _worker_equal(x: _Side, y: _Side, budget: GradingBudget) -> bool:
+    """Ask the worker within the budget; a timeout (or no budget left) counts and gives False.
+
+    Outcomes are cached per pair; a pair that timed out with the full pair timeout is not tried
+    again (it still counts as a timeout each time it is asked).
+    """
+    key = (x, y)
+    if key in _PAIR_CACHE:
+        outcome = _PAIR_CACHE[key]
+        if outcome is None:
+            budget.timeouts += 1
+            return False
+        return outcome
+    if budget.left() <= 0:
+        budget.timeouts += 1
+        return False
+    t0 = time.monotonic()
+    future, wait = None, 0.0
     try:
-        future = _get_pool().schedule(_mv_worker, args=(x, y), timeout=timeout)
-        return bool(future.result())
-    except TimeoutError:
-        logger.debug("math-verify timed out after %ss on %r vs %r", timeout, x, y)
+        pool = _get_pool(budget.left())
+        wait = min(budget.pair_timeout, budget.left() - (time.monotonic() - t0))
+        if pool is None or wait <= 0:
+            raise TimeoutError
+        future = pool.schedule(_mv_worker, args=(x, y), timeout=wait)
+        outcome = bool(future.result(timeout=wait + _RESULT_GRACE_S))
+    except (TimeoutError, futures.TimeoutError):
+        if future is not None:
+            future.cancel()
+        logger.debug("math-verify gave up after %.1fs on %r vs %r", wait, x[0], y[0])
+        budget.timeouts += 1
+        if wait >= budget.pair_timeout:
+            _remember(key, None)
         return False
     except Exception:  # worker crash (pebble replaces it), pickling error, ...
-        logger.debug("math-verify failed on %r vs %r", x, y, exc_info=True)
+        logger.debug("math-verify failed on %r vs %r", x[0], y[0], exc_info=True)
+        outcome = False
+    finally:
+        budget.spent += time.monotonic() - t0
+    _remember(key, outcome)
+    return outcome
+
+
+_exact_value = functools.lru_cache(maxsize=100_000)(exact_value)
+
+
+def _side(s: str, other: str) -> _Side:
+    ulp = None if PLAIN_NUMBER.fullmatch(other) else decimal_ulp(s)
+    return (s, _exact_value(s), ulp)
+
+
+def _equal(x: str, y: str, budget: GradingBudget) -> bool:
+    """Equivalence of two normalised answers (see `equivalent`)."""
+    if x == y:
+        return True
+    if not x or not y or len(x) > MAX_ANSWER_CHARS or len(y) > MAX_ANSWER_CHARS:
         return False
+    if PLAIN_NUMBER.fullmatch(x) and PLAIN_NUMBER.fullmatch(y):  # two literals: exact
+        return _exact_value(x) == _exact_value(y)
+    sx, sy = _side(x, y), _side(y, x)
+    if sx[1] is not None and sy[1] is not None:
+        return values_match(sx[1], sx[2], sy[1], sy[2])
+    if not _MATH_VERIFY_ENABLED:
+        return False
+    if x > y:  # one order per pair: a symmetric relation and one cache entry
+        sx, sy = sy, sx
+    return _worker_equal(sx, sy, budget)
 
 
-def _numbers_close(x: str, y: str) -> bool:
-    if "." not in x and "." not in y:
-        return Decimal(x) == Decimal(y)  # exact (tolerances are for decimal round-off only)
-    dx, dy = Decimal(x), Decimal(y)
-    return abs(dx - dy) <= max(Decimal("1e-9"), Decimal("1e-9") * max(abs(dx), abs(dy)))
+def equivalent(a: str, b: str) -> bool:
+    """Whether two final answers denote the same value. Never raises.
 
-
-def _simple_rational(s: str) -> Fraction | None:
-    m = _SIMPLE_RATIONAL.fullmatch(s)
-    if m is None:
-        return None
-    sign, dec, num, den = m.groups()
-    if dec is not None:
-        value = Fraction(dec)
-    elif int(den) == 0:
-        return None
-    else:
-        value = Fraction(int(num), int(den))
-    return -value if sign else value
-
-
-def _coerce_timeout(timeout: Any) -> int:
-    try:
-        return max(1, int(timeout))
-    except (TypeError, ValueError, OverflowError):
-        return 5
-
-
-def equivalent(a: str, b: str, timeout: int = 5) -> bool:
-    """Whether two final answers are mathematically the same. Never raises.
-
-    1. equal after :func:`normalize`;
-    2. both plain numbers → numeric comparison (abs/rel tol 1e-9; integers exactly), final;
-    3. otherwise math-verify in a killable worker process (``timeout`` seconds, int ≥ 1).
+    1. equal after :func:`normalize` → True; answers over ``MAX_ANSWER_CHARS`` stop here;
+    2. both plain arithmetic (integers, decimals, fractions, integer powers, scientific
+       notation) → exact rational comparison plus the decimal rule of `omgrpo.exact`, final;
+    3. otherwise sympy / math-verify in a killable worker process: numbers compared exactly,
+       other objects by math-verify (both orders), within the active `GradingBudget`.
 
     The worker is forked where the platform allows it; elsewhere (macOS, Windows) it is spawned,
     which re-imports the caller's ``__main__``: entry-point scripts there need an
     ``if __name__ == "__main__":`` guard.
     """
-    try:
-        x, y = normalize(a), normalize(b)
-        if x == y:
-            return True
-        if _PLAIN_NUMBER.fullmatch(x) and _PLAIN_NUMBER.fullmatch(y):
-            return _numbers_close(x, y)
-        # Cheap exact path for `0.5` vs `\frac{1}{2}`; a miss still goes to math-verify
-        # (which also accepts rounded decimals such as 0.333333 vs 1/3).
-        rx, ry = _simple_rational(x), _simple_rational(y)
-        if rx is not None and rx == ry:
-            return True
-        if not _MATH_VERIFY_ENABLED or not x or not y:
-            return False
-        timeout = _coerce_timeout(timeout)
-        (kx, vx), (ky, vy) = _kind(x, rx, timeout), _kind(y, ry, timeout)
-        if kx == "none" or ky == "none":
-            return False  # math-verify reads nothing in one of them: verify() would say False
-        if kx == ky == "num":
-            return math.isclose(vx, vy, rel_tol=1e-9, abs_tol=1e-12)
-        if {kx, ky} == {"num", "sym"}:
-            return False
-        if x > y:
-            x, y = y, x
-        return _math_verify_equal(x, y, timeout)
-    except Exception:
-        logger.debug("equivalent failed", exc_info=True)
-        return False
+    return _safe_equal(normalize(a), normalize(b), _active_budget())
 
 
 def cluster(answers: list[str | None]) -> list[int | None]:
@@ -557,8 +771,10 @@ def cluster(answers: list[str | None]) -> list[int | None]:
 
     Each answer is compared against one representative per existing class (the first member),
     i.e. equivalence is treated as transitive via representatives: an answer joins the first
-    class whose representative it matches, even if it would not match other members.
+    class whose representative it matches, even if it would not match other members. All pairs
+    share the active `GradingBudget` (a fresh default one when none is set).
     """
+    budget = _active_budget()
     ids: list[int | None] = []
     by_norm: dict[str, int] = {}
     reps: list[str] = []  # normalised representative of each class, by class id
@@ -569,10 +785,18 @@ def cluster(answers: list[str | None]) -> list[int | None]:
         norm = normalize(ans)
         cid = by_norm.get(norm)
         if cid is None:
-            cid = next((k for k, rep in enumerate(reps) if equivalent(rep, norm)), None)
+            cid = next((k for k, rep in enumerate(reps) if _safe_equal(rep, norm, budget)), None)
             if cid is None:
                 cid = len(reps)
                 reps.append(norm)
             by_norm[norm] = cid
         ids.append(cid)
     return ids
+
+
+def _safe_equal(x: str, y: str, budget: GradingBudget) -> bool:
+    try:
+        return _equal(x, y, budget)
+    except Exception:
+        logger.debug("equivalent failed", exc_info=True)
+        return False

@@ -155,8 +155,11 @@ class RewardConfig:
     """Optional weight per part (a part not listed here has weight 1.0)."""
     math_verify: bool = True
     """Fall back to math-verify when normalised answers differ (off: string/number match only)."""
-    equivalence_timeout: int = 5
-    """Seconds before a hung math-verify parse is killed (an int)."""
+    equivalence_timeout: float = 5.0
+    """Seconds one answer pair may spend in the math-verify worker before it is killed."""
+    grading_budget_s: float = 10.0
+    """Seconds of math-verify work per training step, shared by all its answer comparisons;
+    past it, undecided pairs count as different and `answers/grading_timeouts` counts them."""
 
 
 @dataclass

@@ -15,7 +15,8 @@ total and every part so each is logged as `reward/<part>`.
 | coreward        | 1 if z_i matches the majority answer of the paraphrased question's group |
 
 A rollout without an extracted answer casts no vote and gets 0 from every vote-based reward and
-from `format`; it never raises.
+from `format`; it never raises. Answers are compared with `omgrpo.answers` (exact equivalence);
+all comparisons draw from the active `GradingBudget`, which the trainer sets once per step.
 """
 
 from __future__ import annotations

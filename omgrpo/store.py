@@ -4,13 +4,18 @@ config.yaml            resolved config of the run
 metrics.jsonl          one JSON object per step (`train/step` plus every metric)
 rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, advantage, ...)
 checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
-status.json            running / finished / failed, last step, and why it stopped
+status.json            running / finished / failed / killed, last step, and why it stopped
+trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +54,27 @@ class RunStore:
 
     def read_metrics(self) -> pd.DataFrame:
         """All metric rows as a DataFrame indexed by nothing, one row per step."""
-        rows = []
+        return pd.DataFrame([{"train/step": step, **row} for step, row in self.metric_rows()])
+
+    def metric_rows(self, up_to: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+        """(step, metrics) per line of metrics.jsonl, as written (a row keeps only the metrics
+        it has), steps <= `up_to` if given. A half-written last line (a run killed mid-write)
+        is skipped; any other invalid line raises, naming the file and line."""
         lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        rows = []
         for lineno, line in enumerate(lines):
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError as e:
-                # A run killed mid-write leaves at most one partial last line.
                 if lineno != len(lines) - 1:
                     raise ValueError(f"{self.metrics_path}, line {lineno + 1}: invalid JSON") from e
-        return pd.DataFrame(rows)
+                continue
+            step = int(row.pop("train/step", lineno))
+            if up_to is None or step <= up_to:
+                rows.append((step, row))
+        return rows
 
     def truncate_metrics(self, last_step: int) -> None:
         """Drop rows after `last_step` (a resumed run recomputes them)."""
@@ -74,7 +88,9 @@ class RunStore:
                 continue
             if row.get("train/step", 0) <= last_step:
                 keep.append(line)
-        self.metrics_path.write_text("".join(x + "\n" for x in keep))
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(self.metrics_path)  # a kill while rewriting keeps the old file
         for path in self.rollouts_dir.glob("step_*.parquet"):
             if int(path.stem.split("_")[1]) > last_step:
                 path.unlink()
@@ -87,20 +103,32 @@ class RunStore:
         return path
 
     def read_rollouts(self) -> pd.DataFrame:
-        files = sorted(self.rollouts_dir.glob("step_*.parquet"))
+        files = [path for _, path in self.rollout_files()]
         return (
             pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
             if files
             else (pd.DataFrame())
         )
 
+    def rollout_files(self, up_to: int | None = None) -> list[tuple[int, Path]]:
+        """(step, parquet file) of the rollout tables, by step (steps <= `up_to` if given)."""
+        files = sorted(self.rollouts_dir.glob("step_*.parquet"))
+        steps = [(int(f.stem.split("_")[1]), f) for f in files]
+        return [(s, f) for s, f in steps if up_to is None or s <= up_to]
+
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints_dir / f"step_{step:06d}"
 
-    def latest_checkpoint(self) -> Path | None:
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoint folders whose writing finished, newest first (their files may still be
+        damaged: `omgrpo.checkpoint.load_latest_intact_checkpoint` verifies them)."""
         done = [p for p in self.checkpoints_dir.glob("step_*") if (p / "COMPLETE").exists()]
-        return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+    def latest_checkpoint(self) -> Path | None:
+        done = self.complete_checkpoints()
+        return done[0] if done else None
 
     def prune_checkpoints(self, keep: int) -> None:
         done = sorted(self.checkpoints_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -109,12 +137,52 @@ class RunStore:
 
     # -- status ---------------------------------------------------------------------------
     def write_status(self, **status: Any) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "status.json").write_text(json.dumps(status, indent=2, default=str))
+        """Replace status.json (atomically: a kill never leaves half a file). The writing
+        process's id goes in as `pid`, so `recording_failures` knows whose run it is."""
+        _write_json_atomic(self.dir / "status.json", {**status, "pid": os.getpid()})
 
     def read_status(self) -> dict[str, Any]:
         path = self.dir / "status.json"
         return json.loads(path.read_text()) if path.exists() else {}
+
+    @contextlib.contextmanager
+    def recording_failures(self) -> Iterator[RunStore]:
+        """Mark the run `failed` (an exception: its type, message and the last lines of its
+        traceback) or `killed` (Ctrl-C) when the body raises after this process set the run
+        `running`; re-raise. A refusal before the run started (e.g. a config change on
+        resume) leaves the status of the run on disk alone."""
+        try:
+            yield self
+        except BaseException as e:
+            status = self.read_status()
+            ours = status.get("pid") == os.getpid() and "error" not in status
+            if ours and status.get("state") in ("running", "failed"):
+                killed = isinstance(e, KeyboardInterrupt | SystemExit)
+                status.pop("pid", None)
+                status["state"] = "killed" if killed else "failed"
+                status["error"] = {
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "step": status.get("step"),  # the last step that completed
+                    "traceback": traceback.format_exception(e)[-3:],
+                }
+                self.write_status(**status)
+            raise
+
+    # -- tracker ids ----------------------------------------------------------------------
+    def tracker_ids(self) -> dict[str, str]:
+        path = self.dir / "trackers.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def set_tracker_id(self, backend: str, run_id: str) -> None:
+        _write_json_atomic(self.dir / "trackers.json", {**self.tracker_ids(), backend: run_id})
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
 
 
 def _plain(value: Any) -> Any:

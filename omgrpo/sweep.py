@@ -1,6 +1,6 @@
 """`omgrpo sweep`: run a W&B sweep file's grid locally, in parallel and resumably.
 
-    omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [extra overrides...]
+    omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [--retry-failed] [overrides...]
 
 The sweep files in `sweeps/` are ordinary W&B sweep configs (`method: grid`, `parameters`
 whose names are Hydra override keys, `command: ${env} ${interpreter} -m omgrpo train
@@ -13,8 +13,10 @@ subprocess:
 - `run.experiment` defaults to the sweep file's name (the run group), unless the sweep or the
   extra overrides set it, or the grid varies `experiment` (then each preset's own
   `run.experiment` keeps the runs apart, as it does under a W&B agent);
-- a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; a
-  partially written one is re-run with `run.resume=true`;
+- a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; so
+  is one that says `failed` (it raised: the error is in status.json and the log; rerunning
+  would most likely fail again) unless `--retry-failed`; any other partially written run
+  (killed, or still `running` after a kill -9) is re-run with `run.resume=true`;
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
 - `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
   MLflow store is created once beforehand (parallel first migrations would race) and each toy
@@ -43,6 +45,7 @@ import yaml
 __all__ = ["Run", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
 
 DONE_STATES = {"finished", "collapsed"}
+FAILED_STATE = "failed"
 SCALAR_TYPES = (str, int, float, bool)
 
 
@@ -179,8 +182,11 @@ def read_status(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def plan_runs(path: str | Path, extra: list[str] | None = None) -> list[Run]:
-    """Expand a sweep file into runs: overrides, composed name, and what to do with each."""
+def plan_runs(
+    path: str | Path, extra: list[str] | None = None, retry_failed: bool = False
+) -> list[Run]:
+    """Expand a sweep file into runs: overrides, composed name, and what to do with each
+    (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
     from omgrpo.tracking import default_mlflow_uri
 
@@ -220,7 +226,9 @@ def plan_runs(path: str | Path, extra: list[str] | None = None) -> list[Run]:
             )
         seen[key] = overrides
         status = read_status(root / name)
-        if status.get("state") in DONE_STATES:
+        if status.get("state") in DONE_STATES or (
+            status.get("state") == FAILED_STATE and not retry_failed
+        ):
             state = "skip"
         elif (root / name).exists():
             state = "resume"
@@ -313,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", "-j", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
     parser.add_argument(
+        "--retry-failed",
+        action="store_true",
+        help="also rerun (resume) runs whose status.json says failed (skipped by default)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides for every run (key=value)"
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
@@ -320,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--jobs must be >= 1")
 
     try:
-        runs = plan_runs(args.sweep_file, args.overrides)
+        runs = plan_runs(args.sweep_file, args.overrides, retry_failed=args.retry_failed)
     except SweepError as e:
         print(f"omgrpo sweep: {e}", file=sys.stderr)
         return 2
@@ -361,12 +374,15 @@ def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> in
         return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))
 
     console.print(
-        f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished "
+        f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished or failed "
         f"(skipped), {len(todo)} to run with {jobs} at once"
     )
     for r in runs:
         if r.state == "skip":
-            console.print(f"  skipped {r.name} ({r.status.get('state')})")
+            error = r.status.get("error") or {}
+            why = f": {error.get('type')}: {error.get('message')}" if error else ""
+            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
+            console.print(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
 
     with Progress(
         TextColumn("[bold]{task.description}"),

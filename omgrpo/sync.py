@@ -8,61 +8,42 @@ nothing: the run store has the config, every metric row and the rollouts, and
 sends them with the same tracker classes the trainer uses. Works on finished and on partial
 runs (a killed run's last, half-written metrics line is ignored).
 
-Re-running is safe:
-- MLflow: the run is found by its tag `omgrpo.run_dir` (also a run the trainer created before
-  its backend failed) and completed in place: only (metric, step, value) points it does not
-  have yet are logged, so a second sync adds nothing. Params already set are left alone (MLflow
-  params are immutable), rollouts artifacts are overwritten with identical files, and the run
-  status is set from `status.json` (finished / failed; a run still "running" there is marked
-  KILLED). If a resumed run recomputed a step with other values, both values are kept.
-- W&B: the run id is derived from the run directory (the trainer's id), with resume="allow";
-  W&B history cannot be read back offline, so a second sync appends every step again (charts
-  against `train/step` overlay the duplicates exactly). In offline mode each sync writes a new
-  `<run_dir>/wandb/offline-run-*` folder; upload it with `wandb sync`.
+Re-running is safe: each sync writes the run store's whole history into a new tracker run and
+retires the older ones of the same run directory (the same thing a resumed training run does,
+see `omgrpo.tracking`), so there is always one active run with one value per step:
+- MLflow: a new run, tagged `omgrpo.run_dir`; the older active runs of the directory (also one
+  the trainer created before its backend failed, or one left RUNNING by a locked database) are
+  soft-deleted and tagged `omgrpo.superseded_by`. The run status is set from `status.json`
+  (finished / failed; a run still "running" there is marked KILLED).
+- W&B: the run id recorded in the run store (else derived from the run directory). Offline,
+  the sync writes a new `<run_dir>/wandb/offline-run-*` folder with the whole history and moves
+  the older ones to `wandb/superseded/`; upload it with `wandb sync`. Online, the run is
+  resumed with resume="allow" and every step is appended again (W&B history cannot be read
+  back to skip what it has).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from omgrpo.store import RunStore
-from omgrpo.tracking import MLflowTracker, WandbTracker, mlflow_tracker, wandb_tracker
+from omgrpo.tracking import (
+    MLflowTracker,
+    WandbTracker,
+    mlflow_tracker,
+    replay_store,
+    wandb_tracker,
+)
 
 BACKENDS = ("mlflow", "wandb")
 
 
-def read_metric_rows(store: RunStore) -> list[tuple[int, dict[str, Any]]]:
-    """(step, metrics) per line of metrics.jsonl, as written (no NaN filling of metrics a row
-    lacks, unlike `RunStore.read_metrics`). A half-written last line is skipped."""
-    path = store.metrics_path
-    lines = path.read_text().splitlines() if path.exists() else []
-    rows = []
-    for lineno, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno != len(lines) - 1:
-                raise ValueError(f"{path}, line {lineno + 1}: invalid JSON") from e
-            continue
-        step = int(row.pop("train/step", lineno))
-        rows.append((step, row))
-    return rows
-
-
-def rollout_files(store: RunStore) -> list[tuple[int, Path]]:
-    files = sorted(store.rollouts_dir.glob("step_*.parquet"))
-    return [(int(f.stem.split("_")[1]), f) for f in files]
-
-
 def final_status(store: RunStore) -> str:
     state = store.read_status().get("state")
-    return state if state in ("finished", "failed") else "killed"
+    return {"finished": "finished", "collapsed": "finished", "failed": "failed"}.get(
+        state, "killed"
+    )
 
 
 def sync_run(run_dir: str | Path, to: str, tracking_cfg: Any = None) -> str:
@@ -88,17 +69,10 @@ def sync_run(run_dir: str | Path, to: str, tracking_cfg: Any = None) -> str:
     else:
         raise ValueError(f"unknown tracking backend {to!r}; valid: {', '.join(BACKENDS)}")
 
-    tracker.start(run_dir, config, name=name, group=group, tags=tags, resume=True)
+    tracker.start(run_dir, config, name=name, group=group, tags=tags)
     run_id = tracker.run_id
     try:
-        rows = read_metric_rows(store)
-        if isinstance(tracker, MLflowTracker):
-            tracker.log_metrics_rows(rows, skip_existing=tracker.resumed)
-        else:
-            for step, metrics in rows:
-                tracker.log_metrics(step, metrics)
-        for step, path in rollout_files(store):
-            tracker.log_rollouts(step, pd.read_parquet(path))
+        replay_store(tracker, store)
     finally:
         tracker.finish(final_status(store))  # the training run's status, not the sync's
     assert run_id is not None

@@ -4,14 +4,23 @@ The local run store (`omgrpo.store.RunStore`: config.yaml, metrics.jsonl, rollou
 source of truth and is written by the trainer itself. Trackers are mirrors for dashboards:
 
     tracker = build_trackers(cfg.tracking, runs_root)      # a FanOutTracker, never raises
-    tracker.start(run_dir, config, name=..., group=..., tags=[...], resume=False)
+    tracker.start(run_dir, config, name=..., group=..., tags=[...], resume_step=None)
     tracker.log_metrics(step, metrics)                      # every step
     tracker.log_rollouts(step, table)                       # when the store writes rollouts
     tracker.finish("finished")                              # or "failed" / "killed"
 
 `FanOutTracker` calls each backend and turns the first error of a backend into one warning
 (`TrackerWarning`) and disables that backend for the rest of the run: training never stops
-because of a tracker. `omgrpo.sync.sync_run` replays the local run into a backend afterwards.
+because of a tracker, and a backend that stops answering (a locked database) holds up the end of
+the run by at most `STALL_TIMEOUT_S`. `omgrpo.sync.sync_run` replays the local run into a
+backend afterwards.
+
+Resume: a tracker's history must show each step once, with the resumed values. MLflow cannot
+delete points and an offline W&B run cannot be resumed, so a resumed run (`resume_step=S`)
+opens a fresh MLflow run / W&B offline segment, `replay_store` copies steps <= S from the run
+store into it, and the runs it replaces are retired (MLflow: soft-deleted, tagged
+`omgrpo.superseded_by`; W&B: their `offline-run-*` folders moved to `wandb/superseded/`).
+Online, W&B rewinds the same run to S instead (`resume_from`).
 
 Secrets: `redact` masks secret-looking config values before any backend sees the config.
 Names: `sanitize_metric_name` maps the metric names of the README/DESIGN contract onto what
@@ -24,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import netrc
 import os
@@ -42,7 +52,12 @@ from urllib.parse import quote, unquote, urlparse
 
 import pandas as pd
 
+from omgrpo.store import RunStore
+
 STATUSES = ("finished", "failed", "killed")
+STALL_TIMEOUT_S = 4.0
+"""MLflow: `finish` gives up when the store has not answered for this long, and opening a
+locked SQLite store fails after it."""
 RUN_DIR_TAG = "omgrpo.run_dir"
 WANDB_TABLE_ROWS = 200
 """At most this many rollouts (a random sample) go into each W&B table."""
@@ -86,7 +101,7 @@ class Tracker(Protocol):
         name: str,
         group: str,
         tags: list[str],
-        resume: bool,
+        resume_step: int | None = None,
     ) -> None: ...
 
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None: ...
@@ -103,7 +118,7 @@ class NullTracker:
 
     name = "null"
 
-    def start(self, run_dir, config, *, name, group, tags, resume) -> None:
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
         pass
 
     def log_metrics(self, step, metrics) -> None:
@@ -141,15 +156,33 @@ class FanOutTracker:
         """Names of the backends still enabled."""
         return [_backend_name(t) for i, t in enumerate(self.trackers) if i not in self._disabled]
 
-    def start(self, run_dir, config, *, name, group, tags, resume) -> None:
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
+        """Start every backend; a resumed run (`resume_step`: the checkpoint step it continues
+        from) has steps <= resume_step replayed from the run store into the backends that
+        opened an empty run (`fresh_segment`)."""
         self._run_dir = Path(run_dir)
         safe = redact(config)
         self._each(
             "start",
             lambda t: t.start(
-                Path(run_dir), safe, name=name, group=group, tags=list(tags or []), resume=resume
+                Path(run_dir),
+                safe,
+                name=name,
+                group=group,
+                tags=list(tags or []),
+                resume_step=resume_step,
             ),
         )
+        if resume_step is not None:
+            store = RunStore(run_dir)
+            self._each(
+                "start",
+                lambda t: (
+                    replay_store(t, store, resume_step)
+                    if getattr(t, "fresh_segment", False)
+                    else None
+                ),
+            )
 
     def log_metrics(self, step, metrics) -> None:
         self._buffer.append((int(step), dict(metrics)))
@@ -162,6 +195,7 @@ class FanOutTracker:
             self._each("log_metrics", lambda t: _log_rows(t, rows))
 
     def log_rollouts(self, step, table) -> None:
+        self.flush()  # W&B's history must not see a step before the buffered earlier ones
         self._each("log_rollouts", lambda t: t.log_rollouts(step, table))
 
     def log_artifact(self, path) -> None:
@@ -205,7 +239,7 @@ class FanOutTracker:
         )
         warnings.warn(
             f"tracking backend {name!r} failed in {what}() and is disabled for the rest of this "
-            f"run: {type(error).__name__}: {redact(str(error))}{hint}",
+            f"run: {type(error).__name__}: {redact(_first_line(error))}{hint}",
             TrackerWarning,
             stacklevel=4,
         )
@@ -214,7 +248,33 @@ class FanOutTracker:
                 tracker.finish("failed")
 
 
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The gist of an error (SQLAlchemy's run to a dozen lines of SQL and parameters)."""
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def replay_store(tracker, store: RunStore, up_to: int | None = None) -> None:
+    """Log the run store's metric rows and rollout tables (steps <= `up_to`, all if None) into
+    `tracker`, in step order: each rollout table right after the metrics of its step, the
+    metrics in between in batches."""
+    tables = dict(store.rollout_files(up_to))
+    batch: list[tuple[int, dict[str, Any]]] = []
+    for step, metrics in store.metric_rows(up_to):
+        batch.append((step, metrics))
+        if step in tables:
+            _log_rows(tracker, batch)
+            batch = []
+            tracker.log_rollouts(step, pd.read_parquet(tables.pop(step)))
+    _log_rows(tracker, batch)
+    for step, path in sorted(tables.items()):  # tables of steps without a metrics row
+        tracker.log_rollouts(step, pd.read_parquet(path))
+
+
 def _log_rows(tracker, rows: list[tuple[int, dict[str, Any]]]) -> None:
+    if not rows:
+        return
     if hasattr(tracker, "log_metrics_rows"):
         tracker.log_metrics_rows(rows)
     else:
@@ -499,8 +559,9 @@ def mlflow_client(uri: str):
 
 
 def _check_sqlite(db: Path) -> None:
-    """Fail fast on a DB MLflow cannot open: MLflow itself retries for ~100 s before raising,
-    and silently creates missing folders (a typo in the URI would start a new store)."""
+    """Fail fast on a DB MLflow cannot open or that another process holds locked: MLflow
+    itself retries for ~20-100 s before raising, and silently creates missing folders (a typo
+    in the URI would start a new store)."""
     import sqlite3
 
     if not db.parent.is_dir():
@@ -508,7 +569,7 @@ def _check_sqlite(db: Path) -> None:
     if db.exists() and not db.is_file():
         raise IsADirectoryError(f"MLflow database {db} is not a file")
     try:
-        conn = sqlite3.connect(f"file:{quote(str(db))}?mode=rwc", uri=True, timeout=30)
+        conn = sqlite3.connect(f"file:{quote(str(db))}?mode=rwc", uri=True, timeout=STALL_TIMEOUT_S)
         try:
             conn.execute("pragma schema_version").fetchone()
         finally:
@@ -561,11 +622,15 @@ def _filter_literal(value: str) -> str:
 class _Worker:
     """Runs calls in order on one daemon thread, so a slow backend does not hold up the
     training loop. The first error is re-raised on the caller's next `submit` / `wait`
-    (where FanOutTracker catches it); calls queued after an error are dropped."""
+    (where FanOutTracker catches it); calls queued after an error are dropped. `wait` gives up
+    once no call has completed for `stall_s` seconds (a locked database): the thread is left
+    to finish or die with the process."""
 
     def __init__(self, name: str):
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.abandoned = False
+        self.last_progress = time.monotonic()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -573,13 +638,26 @@ class _Worker:
         self.raise_error()
         self.queue.put((fn, args))
 
-    def wait(self) -> None:
-        self.queue.join()
+    def wait(self, stall_s: float | None = None) -> bool:
+        """Whether every call submitted so far has run (re-raising the first error); False
+        if no call completed for `stall_s` seconds (None: wait for ever)."""
+        done = threading.Event()
+        self.queue.put((done, ()))
+        self.last_progress = time.monotonic()
+        while not done.wait(0.05):
+            if stall_s is not None and time.monotonic() - self.last_progress > stall_s:
+                return False
         self.raise_error()
+        return True
 
     def close(self) -> None:
+        """Stop the thread after the calls queued so far (without waiting for them)."""
         self.queue.put(None)
-        self.thread.join()
+
+    def abandon(self) -> None:
+        """Drop every call not started yet (the one running cannot be interrupted)."""
+        self.abandoned = True
+        self.close()
 
     def raise_error(self) -> None:
         if self.error is not None:
@@ -589,14 +667,21 @@ class _Worker:
     def _loop(self) -> None:
         while (item := self.queue.get()) is not None:
             fn, args = item
+            if isinstance(fn, threading.Event):  # a wait() marker
+                fn.set()
+                continue
             try:
-                if self.error is None:
+                if self.error is None and not self.abandoned:
                     fn(*args)
             except BaseException as e:
                 self.error = e
-            finally:
-                self.queue.task_done()
-        self.queue.task_done()
+            self.last_progress = time.monotonic()
+
+
+def _quiet_mlflow_db_errors() -> None:
+    """MLflow logs every SQLAlchemy error with its traceback (~20 lines each) before raising
+    it; the tracker reports the error itself, once, as a TrackerWarning."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 class MLflowTracker:
@@ -608,10 +693,12 @@ class MLflowTracker:
     order on a worker thread: a SQLite `log_batch` of 50 metrics costs ~50 ms of ORM work and
     commits, which the training loop does not wait for. Metrics queued while a batch is being
     written go out together in the next `log_batch` (≤ 1000 metrics each). An error surfaces on
-    the next call; `finish` waits for the queue. The resolved, redacted config goes in as
-    params (`a.b.c` keys) and as the artifact `config.yaml`; rollouts as
-    `rollouts/step_XXXXXX.parquet`. The run carries the tag `omgrpo.run_dir`: `resume=True`
-    finds the run of the same directory and continues it instead of opening a second one.
+    the next call; `finish` waits for the queue (at most STALL_TIMEOUT_S without an answer).
+    The resolved, redacted config goes in as params (`a.b.c` keys) and as the artifact
+    `config.yaml`; rollouts as `rollouts/step_XXXXXX.parquet`. The run carries the tag
+    `omgrpo.run_dir`; each start opens a new run and retires the older ones of the same run
+    directory (`_open_run`), so a resumed or re-synced run is one active run with one value per
+    step.
     """
 
     name = "mlflow"
@@ -623,7 +710,7 @@ class MLflowTracker:
         self.client = None
         self.run_id: str | None = None
         self.experiment_id: str | None = None
-        self.resumed = False
+        self.fresh_segment = True  # every start opens a new run (see `_open_run`)
         self._keys: dict[str, str] = {}
         self._owners: dict[str, str] = {}
         self._worker: _Worker | None = None
@@ -632,13 +719,30 @@ class MLflowTracker:
         self._tmp: str | None = None
 
     # -- Tracker ------------------------------------------------------------------------------
-    def start(self, run_dir, config, *, name, group, tags, resume) -> None:
-        from mlflow.entities import Param, RunTag
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
+        """Open a new MLflow run for `run_dir` and retire the runs it replaces (see
+        `_open_run`), in the caller's thread (a fresh SQLite store is created, ~7 s, once; a
+        locked one raises after STALL_TIMEOUT_S, where MLflow's own retries would take ~20 s).
+        Later calls run on the worker thread with `background=True`."""
+        _quiet_mlflow_db_errors()
+        self.client = mlflow_client(self.uri)
+        if db := _sqlite_path(self.uri):
+            _check_sqlite(db)
+        self._open_run(Path(run_dir), redact(config), name, group, list(tags), resume_step)
+        self._tmp = tempfile.mkdtemp(prefix="omgrpo-mlflow-")
+        if self.background:
+            self._worker = _Worker(f"omgrpo-mlflow-{self.run_id[:8]}")
 
-        config = redact(config)
-        self.client = client = mlflow_client(self.uri)
+    def _open_run(self, run_dir: Path, config, name, group, tags, resume_step) -> None:
+        """A new run holding the config (params, `config.yaml`) and tags; the active runs of
+        the same run directory (found by the tag `omgrpo.run_dir`, or by the id the run store
+        recorded, for a run directory that was moved) are soft-deleted and tagged
+        `omgrpo.superseded_by`: MLflow cannot delete single points, and the new run gets the
+        run store's history replayed, so exactly one active run shows each step once."""
+        from mlflow.entities import Param
+
+        client = self.client
         self.experiment_id = self._experiment(self.experiment or group or "omgrpo")
-        existing = self.find_run(run_dir) if resume else None
         run_tags = {
             RUN_DIR_TAG: run_dir_key(run_dir),
             "mlflow.runName": name,
@@ -646,48 +750,39 @@ class MLflowTracker:
             "method": run_method(config),
             "scale": run_scale(config),
         }
+        if resume_step is not None:
+            run_tags["omgrpo.resumed_from_step"] = str(resume_step)
         if tags:
             run_tags["omgrpo.tags"] = ",".join(map(str, tags))
             for tag in tags:
                 key, _, value = str(tag).partition("=")
                 run_tags[sanitize_metric_name(key)] = value
-        if existing is not None:
-            self.run_id, self.resumed = existing.info.run_id, True
-            client.update_run(self.run_id, status="RUNNING")
-            old_params = existing.data.params
-        else:
-            with contextlib.suppress(Exception):  # mlflow.user, mlflow.source.*
-                from mlflow.tracking.context.registry import resolve_tags
+        with contextlib.suppress(Exception):  # mlflow.user, mlflow.source.*
+            from mlflow.tracking.context.registry import resolve_tags
 
-                run_tags = resolve_tags(run_tags)
-            run = client.create_run(self.experiment_id, run_name=name, tags=run_tags)
-            self.run_id, old_params = run.info.run_id, {}
-        params = {}
-        for key, value in flatten(config).items():
-            key = sanitize_metric_name(key)
-            if key not in old_params:  # params are immutable (e.g. run.resume on resume)
-                params[key] = _param_value(value)
-        params_list = [Param(k, v) for k, v in params.items()]
-        tags_list = [RunTag(k, str(v)[:8000]) for k, v in run_tags.items()] if self.resumed else []
-        for chunk in _chunks(params_list + tags_list, 100):
-            client.log_batch(
-                self.run_id,
-                params=[x for x in chunk if isinstance(x, Param)],
-                tags=[x for x in chunk if isinstance(x, RunTag)],
-                synchronous=True,
-            )
+            run_tags = resolve_tags(run_tags)
+        old = self.find_runs(run_dir)
+        run = client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+        self.run_id = run.info.run_id
+        params = [
+            Param(sanitize_metric_name(k), _param_value(v)) for k, v in flatten(config).items()
+        ]
+        for chunk in _chunks(params, 100):
+            client.log_batch(self.run_id, params=chunk, synchronous=True)
         client.log_dict(self.run_id, config, "config.yaml")
-        self._tmp = tempfile.mkdtemp(prefix="omgrpo-mlflow-")
-        if self.background:
-            self._worker = _Worker(f"omgrpo-mlflow-{self.run_id[:8]}")
+        for previous in old:
+            client.set_tag(previous.info.run_id, "omgrpo.superseded_by", self.run_id)
+            if previous.info.status == "RUNNING":
+                client.set_terminated(previous.info.run_id, "KILLED")
+            client.delete_run(previous.info.run_id)
+        with contextlib.suppress(OSError):  # a read-only run store: the tag still finds it
+            RunStore(run_dir).set_tracker_id("mlflow", self.run_id)
 
     def log_metrics(self, step, metrics) -> None:
         self.log_metrics_rows([(step, metrics)])
 
-    def log_metrics_rows(self, rows, skip_existing: bool = False) -> None:
-        """Log several steps with as few `log_batch` calls as possible (≤ 1000 metrics each).
-        `skip_existing`: leave out (key, step, value) points the run already has (used by
-        sync: replaying twice adds nothing)."""
+    def log_metrics_rows(self, rows) -> None:
+        """Log several steps with as few `log_batch` calls as possible (≤ 1000 metrics each)."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -702,7 +797,7 @@ class MLflowTracker:
             idle = not self._pending
             self._pending += points
         if idle:  # otherwise a flush is queued already and will take these too
-            self._call(self._send_pending, skip_existing)
+            self._call(self._send_pending)
 
     def log_rollouts(self, step, table) -> None:
         path = Path(self._tmp) / f"step_{int(step):06d}.parquet"
@@ -712,22 +807,31 @@ class MLflowTracker:
     def log_artifact(self, path) -> None:
         path = Path(path)
         if path.is_dir():
-            self._call(self.client.log_artifacts, self.run_id, str(path), path.name)
+            self._call(lambda: self.client.log_artifacts(self.run_id, str(path), path.name))
         else:
-            self._call(self.client.log_artifact, self.run_id, str(path))
+            self._call(lambda: self.client.log_artifact(self.run_id, str(path)))
 
     def finish(self, status) -> None:
-        if self.client is None or self.run_id is None:
-            return
+        """Send what is queued and set the run's status. Gives up (TimeoutError) when the
+        store has not answered for STALL_TIMEOUT_S: the run then stays RUNNING in MLflow
+        until `omgrpo sync` replaces it."""
         status = _MLFLOW_STATUS[_check_status(status)]
         worker, self._worker = self._worker, None
         try:
-            if worker is not None:
-                try:
-                    worker.wait()
-                finally:
-                    worker.close()
-            self.client.set_terminated(self.run_id, status)
+            if worker is None:
+                if self.run_id is not None:
+                    self.client.set_terminated(self.run_id, status)
+                return
+            try:
+                worker.submit(lambda: self.client.set_terminated(self.run_id, status))
+                if not worker.wait(stall_s=STALL_TIMEOUT_S):
+                    worker.abandon()
+                    raise TimeoutError(
+                        f"the MLflow store {self.uri} did not answer for {STALL_TIMEOUT_S:.0f} s "
+                        "(locked or unreachable); its run is left as it is"
+                    )
+            finally:
+                worker.close()
         finally:
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
@@ -738,11 +842,9 @@ class MLflowTracker:
         else:
             fn(*args)
 
-    def _send_pending(self, skip_existing: bool = False) -> None:
+    def _send_pending(self) -> None:
         with self._pending_lock:
             points, self._pending = self._pending, []
-        if skip_existing:
-            points = self._new_points(points)
         for chunk in _chunks(points, 1000):
             self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
 
@@ -753,23 +855,27 @@ class MLflowTracker:
             path.unlink(missing_ok=True)
 
     # -- helpers ------------------------------------------------------------------------------
-    def find_run(self, run_dir: Path):
-        """The newest active run (in any experiment) tagged with this run directory, or None."""
+    def find_runs(self, run_dir: Path) -> list:
+        """The active runs (in any experiment) of this run directory: tagged with its path,
+        or recorded in its run store (`trackers.json`, so a moved run directory is found)."""
         from mlflow.entities import ViewType
 
         client = self.client or mlflow_client(self.uri)
         experiments = [e.experiment_id for e in _all_experiments(client)]
         flt = f"tags.`{RUN_DIR_TAG}` = {_filter_literal(run_dir_key(run_dir))}"
-        runs = []
+        runs = {}
         for chunk in _chunks(experiments, 100):
-            runs += client.search_runs(
-                chunk,
-                filter_string=flt,
-                run_view_type=ViewType.ACTIVE_ONLY,
-                max_results=10,
-                order_by=["attributes.start_time DESC"],
-            )
-        return max(runs, key=lambda r: r.info.start_time) if runs else None
+            for run in client.search_runs(
+                chunk, filter_string=flt, run_view_type=ViewType.ACTIVE_ONLY, max_results=1000
+            ):
+                runs[run.info.run_id] = run
+        recorded = RunStore(run_dir).tracker_ids().get("mlflow")
+        if recorded and recorded not in runs:
+            with contextlib.suppress(Exception):  # recorded in another store, or deleted
+                run = client.get_run(recorded)
+                if run.info.lifecycle_stage == "active":
+                    runs[recorded] = run
+        return list(runs.values())
 
     def metric_key(self, name: str) -> str:
         """The MLflow key this tracker uses for metric `name`."""
@@ -791,13 +897,6 @@ class MLflowTracker:
                 self._owners[key] = name
             self._keys[name] = key
         return key
-
-    def _new_points(self, points):
-        have: dict[str, set[tuple[int, float]]] = {}
-        for key in {p.key for p in points}:
-            history = self.client.get_metric_history(self.run_id, key)
-            have[key] = {(m.step, m.value) for m in history}
-        return [p for p in points if (p.step, p.value) not in have[p.key]]
 
     def _experiment(self, name: str) -> str:
         client = self.client
@@ -873,11 +972,21 @@ def resolve_wandb_mode(mode: str | None) -> str:
 class WandbTracker:
     """Mirrors a run to W&B (offline by default: `<run_dir>/wandb/offline-run-*`).
 
-    The W&B run id is derived from the run directory (`stable_run_id`), with
-    `resume="allow"`, so a resumed run continues the same W&B run (not under a sweep agent,
-    which assigns its own id). Every metric is plotted against `train/step`. Values go in
-    as they are (W&B takes strings, NaN and inf). Rollouts: a `wandb.Table` of at most 200
-    sampled rows per call.
+    The W&B run id is derived from the run directory (`stable_run_id`) and recorded in the run
+    store (`trackers.json`), so a resumed, moved or synced run keeps it (not under a sweep
+    agent, which assigns its own id). Rows are logged with W&B's step = `train/step`, and every
+    metric is plotted against `train/step`. Values go in as they are (W&B takes strings, NaN
+    and inf). Rollouts: a `wandb.Table` of at most 200 sampled rows per call.
+
+    Resume. Offline (wandb 0.31 ignores `resume` for offline runs, and a second offline
+    segment of the same id would repeat the steps after the checkpoint): each start writes a
+    new `offline-run-*` folder of the same id that holds the whole history (FanOutTracker
+    replays the run store up to the checkpoint step into it, `fresh_segment`), records the
+    step it resumed from in the config (`_resumed_from_step`), and moves the older folders of
+    that id to `<run_dir>/wandb/superseded/`, where `wandb sync <run_dir>/wandb/offline-run-*`
+    does not pick them up. Online: W&B's rewind, `resume_from="<id>?_step=<step>"`, truncates
+    the run's history to the checkpoint step (a W&B preview feature; untested here, where
+    there is no network).
     """
 
     name = "wandb"
@@ -888,8 +997,9 @@ class WandbTracker:
         self.mode = mode
         self.run = None
         self.run_id: str | None = None
+        self.fresh_segment = True
 
-    def start(self, run_dir, config, *, name, group, tags, resume) -> None:
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
@@ -898,9 +1008,24 @@ class WandbTracker:
         sweep = bool(os.environ.get("WANDB_SWEEP_ID"))
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        store = RunStore(run_dir)
         extra = [run_method(config), run_scale(config)]
         all_tags = list(dict.fromkeys([*map(str, tags), *extra]))
         settings = wandb.Settings(silent=True, save_code=False, console="off")
+        # A sweep agent assigns the run id ($WANDB_RUN_ID): do not override it.
+        run_id = os.environ.get("WANDB_RUN_ID") or (
+            None if sweep else store.tracker_ids().get("wandb") or stable_run_id(run_dir)
+        )
+        # Online with a known id, W&B rewinds the run itself; else a new segment is replayed.
+        self.fresh_segment = mode != "online" or resume_step is None or run_id is None
+        if self.fresh_segment:
+            resume_args: dict[str, Any] = {"id": run_id, "resume": "allow"}
+            if resume_step is not None:
+                config = {**config, "_resumed_from_step": resume_step}
+        else:  # online rewind; the id comes from resume_from
+            resume_args = {"resume_from": f"{run_id}?_step={resume_step}"}
+        if mode == "offline" and run_id is not None:
+            retire_offline_segments(run_dir, run_id)
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT", self.project) if sweep else self.project,
             entity=self.entity,
@@ -910,15 +1035,15 @@ class WandbTracker:
             config=config,
             dir=str(run_dir),
             mode=mode,
-            # A sweep agent assigns the run id ($WANDB_RUN_ID): do not override it.
-            id=None if sweep or os.environ.get("WANDB_RUN_ID") else stable_run_id(run_dir),
-            resume="allow",
             reinit="create_new",
             settings=settings,
+            **resume_args,
         )
         self.run_id = self.run.id
         self.run.define_metric("train/step")
         self.run.define_metric("*", step_metric="train/step")
+        if not sweep:
+            store.set_tracker_id("wandb", self.run_id)
 
     def log_metrics(self, step, metrics) -> None:
         row = {}
@@ -928,7 +1053,7 @@ class WandbTracker:
                 continue
             row[name] = value
         row["train/step"] = int(step)
-        self.run.log(row)
+        self.run.log(row, step=int(step))
 
     def log_rollouts(self, step, table) -> None:
         import wandb
@@ -937,7 +1062,9 @@ class WandbTracker:
             table = table.sample(WANDB_TABLE_ROWS, random_state=int(step)).sort_index()
         # Plain Python objects: nullable pandas dtypes (pd.NA) do not serialise.
         table = table.astype(object).where(table.notna(), None).reset_index(drop=True)
-        self.run.log({"rollouts": wandb.Table(dataframe=table), "train/step": int(step)})
+        self.run.log(
+            {"rollouts": wandb.Table(dataframe=table), "train/step": int(step)}, step=int(step)
+        )
 
     def log_artifact(self, path) -> None:
         import wandb
@@ -956,3 +1083,21 @@ class WandbTracker:
             return
         run, self.run = self.run, None
         run.finish(exit_code=_WANDB_EXIT_CODE[_check_status(status)])
+
+
+def offline_segments(run_dir: Path, run_id: str) -> list[Path]:
+    """The `offline-run-*` folders of W&B run `run_id` in `<run_dir>/wandb`, oldest first."""
+    return sorted((Path(run_dir) / "wandb").glob(f"offline-run-*-{run_id}"))
+
+
+def retire_offline_segments(run_dir: Path, run_id: str) -> list[Path]:
+    """Move the offline folders of `run_id` to `<run_dir>/wandb/superseded/` (kept, not
+    uploaded by `wandb sync <run_dir>/wandb/offline-run-*`); returns their new paths."""
+    moved = []
+    for folder in offline_segments(run_dir, run_id):
+        target = folder.parent / "superseded" / folder.name
+        target.parent.mkdir(exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        folder.rename(target)
+        moved.append(target)
+    return moved

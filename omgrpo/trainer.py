@@ -32,9 +32,16 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from omgrpo.answers import equivalent, extract_boxed, set_math_verify
+from omgrpo.answers import (
+    GradingBudget,
+    equivalent,
+    extract_boxed,
+    grading_scope,
+    set_math_verify,
+    use_grading_budget,
+)
 from omgrpo.car import generate_pair_answers, top_vote_metrics
-from omgrpo.checkpoint import load_checkpoint, save_checkpoint, set_rng_state
+from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container
 from omgrpo.diagnostics import (
     CollapseDetector,
@@ -79,7 +86,13 @@ class StageTimer:
 
 def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
-    step as if the process were killed (used to test resume)."""
+    step as if the process were killed (used to test resume). An exception marks the run
+    `failed` in status.json, with the error."""
+    with RunStore(Path(cfg.run.root) / cfg.run.name).recording_failures():
+        return _train(cfg, stop_after)
+
+
+def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     config = to_container(cfg)
     check_config(cfg)
     store = RunStore(Path(cfg.run.root) / cfg.run.name)
@@ -134,9 +147,9 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         "collapse": None,
     }
     start = 0
-    checkpoint = store.latest_checkpoint() if cfg.run.resume else None
+    checkpoint = load_latest_intact_checkpoint(store, config) if cfg.run.resume else None
     if checkpoint is not None:
-        state = load_checkpoint(checkpoint, config)
+        state = checkpoint[1]
         policy.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -145,7 +158,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         store.truncate_metrics(start)
         print(f"resuming {store.dir} from step {start}")
     else:
-        store.truncate_metrics(0)
+        store.truncate_metrics(-1)
         store.write_config(config)
     store.write_status(state="running", step=start, total_steps=total_steps, base_model=base)
     c = cfg.collapse
@@ -161,9 +174,10 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         name=cfg.run.name,
         group=cfg.run.experiment,
         tags=list(cfg.run.tags),
-        resume=checkpoint is not None,
+        resume_step=start if checkpoint is not None else None,
     )
-    with tracker:  # ends the trackers' runs as finished / failed / killed
+    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
+    with tracker, grading_scope():
         val_problems = splits.val[: cfg.eval.num_prompts]
         if start == 0 and cfg.eval.every > 0 and val_problems:
             metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
@@ -181,6 +195,10 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
         last_val: dict[str, float] = {}
         for step in bar:
             timer = StageTimer(device)
+            # all of this step's answer comparisons share one budget (omgrpo.answers)
+            grading = use_grading_budget(
+                GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
+            )
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
@@ -310,6 +328,7 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
                 **update,
                 "lr": scheduler.get_last_lr()[0],
                 "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
+                "answers/grading_timeouts": grading.timeouts,
             }
             timer.seconds["step"] = sum(timer.seconds.values())
             metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})

@@ -286,9 +286,7 @@ def test_load_runs_from_mlflow(tmp_path, monkeypatch):
     store = RunStore(run_dir)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     tracker = MLflowTracker(uri=uri, background=False)
-    tracker.start(
-        run_dir, store.read_config(), name="toy__mv__s0", group="analysis", tags=[], resume=False
-    )
+    tracker.start(run_dir, store.read_config(), name="toy__mv__s0", group="analysis", tags=[])
     metrics = store.read_metrics()
     for row in metrics.to_dict("records"):
         tracker.log_metrics(int(row["train/step"]), row)

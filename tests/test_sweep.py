@@ -220,7 +220,7 @@ def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys
     assert main([str(path), "--jobs", "2"]) == 0
     out = capsys.readouterr()
     assert "0 done, 4 skipped, 0 failed" in out.out
-    assert "4 already finished (skipped)" in out.err
+    assert "4 already finished or failed (skipped)" in out.err
 
     # a run left half-done (killed after its last checkpoint) is resumed, the others skipped
     status = root / names[0] / "status.json"

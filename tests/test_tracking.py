@@ -135,9 +135,7 @@ def write_run(run_dir: Path, experiment: str, tracker: Tracker | None = None) ->
     store.write_config(config)
     store.write_status(state="running", step=0)
     if tracker is not None:
-        tracker.start(
-            run_dir, config, name=run_dir.name, group=experiment, tags=["smoke"], resume=False
-        )
+        tracker.start(run_dir, config, name=run_dir.name, group=experiment, tags=["smoke"])
     for step, metrics in metric_rows():
         store.log_metrics(step, metrics)
         if tracker is not None:
@@ -255,27 +253,109 @@ def test_mlflow_metrics_params_tags_artifacts_match_the_store(tmp_path, mlflow_u
     pd.testing.assert_frame_equal(table, rollouts(3))
 
 
-def test_mlflow_resume_continues_the_same_run(tmp_path, mlflow_uri):
+def test_mlflow_resume_replaces_the_run_with_one_value_per_step(tmp_path, mlflow_uri):
+    """Killed after step 3 with a checkpoint at 2: the resumed run recomputes step 3. MLflow
+    cannot delete points, so the resume opens a new run holding the store's steps <= 2 plus the
+    new ones, and soft-deletes the old run."""
     run_dir = tmp_path / "r"
+    store = RunStore(run_dir)
     config = fake_config(run_dir, "mlflow-resume")
-    first = MLflowTracker(mlflow_uri)
-    first.start(run_dir, config, name="r", group="mlflow-resume", tags=[], resume=False)
-    first.log_metrics(1, {"loss/pg": 1.0})
+    first = FanOutTracker([MLflowTracker(mlflow_uri)])
+    first.start(run_dir, config, name="r", group="mlflow-resume", tags=[])
+    for step in (1, 2, 3):
+        store.log_metrics(step, {"loss/pg": float(step)})
+        first.log_metrics(step, {"loss/pg": float(step)})
     first.finish("killed")
+    old_id = first.trackers[0].run_id
 
+    store.truncate_metrics(2)  # what the trainer does when it resumes from step 2
     config["run"]["resume"] = True  # a changed param must not trip MLflow's immutability
-    second = MLflowTracker(mlflow_uri)
-    second.start(run_dir, config, name="r", group="mlflow-resume", tags=[], resume=True)
-    assert second.run_id == first.run_id and second.resumed
-    client = mlflow_client(mlflow_uri)
-    assert client.get_run(second.run_id).info.status == "RUNNING"
-    second.log_metrics(2, {"loss/pg": 2.0})
+    second = FanOutTracker([MLflowTracker(mlflow_uri)])
+    second.start(run_dir, config, name="r", group="mlflow-resume", tags=[], resume_step=2)
+    second.log_metrics(3, {"loss/pg": 30.0})
+    second.log_metrics(4, {"loss/pg": 40.0})
     second.finish("finished")
-    run = client.get_run(second.run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params["run.resume"] == "false"
-    history = client.get_metric_history(run.info.run_id, "loss/pg")
-    assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 2.0)]
+    new_id = second.trackers[0].run_id
+
+    client = mlflow_client(mlflow_uri)
+    history = client.get_metric_history(new_id, "loss/pg")
+    assert sorted((m.step, m.value) for m in history) == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+    run = client.get_run(new_id)
+    assert run.info.status == "FINISHED" and run.data.params["run.resume"] == "true"
+    assert run.data.tags["omgrpo.resumed_from_step"] == "2"
+    old = client.get_run(old_id)
+    assert old.info.lifecycle_stage == "deleted" and old.info.status == "KILLED"
+    assert old.data.tags["omgrpo.superseded_by"] == new_id
+    exp = client.get_experiment_by_name("mlflow-resume")
+    assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [new_id]
+    assert store.tracker_ids()["mlflow"] == new_id
+
+
+def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_path, mlflow_uri):
+    """Another process takes an exclusive lock on the SQLite store after the run started and
+    holds it: one short warning, `finish` returns within STALL_TIMEOUT_S + 1 s, the local store
+    has every step, and `omgrpo sync` afterwards gives MLflow the finished run."""
+    import sqlite3
+
+    from omgrpo.tracking import STALL_TIMEOUT_S, _sqlite_path
+
+    run_dir = tmp_path / "runs" / "locked"
+    store = RunStore(run_dir)
+    fan = build_trackers(TrackingConfig(mlflow_uri=mlflow_uri, wandb=False), tmp_path)
+    lock = sqlite3.connect(_sqlite_path(mlflow_uri), isolation_level=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fan.start(run_dir, fake_config(run_dir, "locked-exp"), name="locked", group="g", tags=[])
+        lock.execute("BEGIN EXCLUSIVE")
+        try:
+            for step, metrics in metric_rows():
+                store.log_metrics(step, metrics)
+                fan.log_metrics(step, metrics)
+            tic = time.perf_counter()
+            fan.finish("finished")
+            seconds = time.perf_counter() - tic
+        finally:
+            lock.rollback()
+            lock.close()
+    store.write_config(fake_config(run_dir, "locked-exp"))
+    store.write_status(state="finished", step=4)
+    ours = [str(w.message) for w in caught if issubclass(w.category, TrackerWarning)]
+    assert len(ours) == 1, ours
+    assert "'mlflow' failed" in ours[0] and "omgrpo sync" in ours[0]
+    assert len(ours[0]) < 600 and "[SQL:" not in ours[0]  # the gist, not SQLAlchemy's dump
+    assert seconds < STALL_TIMEOUT_S + 1, seconds
+    assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
+
+    run_id = sync_run(run_dir, "mlflow", TrackingConfig(mlflow_uri=mlflow_uri))
+    assert_history_equals_store(mlflow_uri, run_id, store)
+    client = mlflow_client(mlflow_uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    exp = client.get_experiment_by_name("locked-exp")
+    assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
+
+
+def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_path, mlflow_uri):
+    import sqlite3
+
+    from omgrpo.tracking import STALL_TIMEOUT_S, _sqlite_path
+
+    run_dir = tmp_path / "runs" / "locked-early"
+    fan = build_trackers(TrackingConfig(mlflow_uri=mlflow_uri, wandb=False), tmp_path)
+    lock = sqlite3.connect(_sqlite_path(mlflow_uri), isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            tic = time.perf_counter()
+            store = write_run(run_dir, "locked-early", fan)
+            seconds = time.perf_counter() - tic
+    finally:
+        lock.rollback()
+        lock.close()
+    ours = [str(w.message) for w in caught if issubclass(w.category, TrackerWarning)]
+    assert len(ours) == 1 and "failed in start()" in ours[0] and "locked" in ours[0], ours
+    assert seconds < STALL_TIMEOUT_S + 1, seconds
+    assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.slow
@@ -288,7 +368,7 @@ def test_parallel_runs_on_a_fresh_database_do_not_race(tmp_path):
         "from omgrpo.tracking import MLflowTracker\n"
         "t = MLflowTracker(sys.argv[1])\n"
         "t.start(Path(sys.argv[2]), {'seed': 0}, name=Path(sys.argv[2]).name, group='race',"
-        " tags=[], resume=False)\n"
+        " tags=[])\n"
         "t.log_metrics(1, {'x': 1.0})\n"
         "t.finish('finished')\n"
     )
@@ -336,7 +416,7 @@ class Recorder(NullTracker):
         self.calls: list[tuple] = []
         self.fail_in, self.fail_at_step = fail_in, fail_at_step
 
-    def start(self, run_dir, config, *, name, group, tags, resume):
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None):
         self.config = config
         self.calls.append(("start",))
         if self.fail_in == "start":
@@ -356,7 +436,7 @@ def test_fanout_disables_a_failing_backend_with_one_warning(tmp_path):
     fan = FanOutTracker([broken, healthy])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fan.start(tmp_path, {"api_key": "x"}, name="n", group="g", tags=[], resume=False)
+        fan.start(tmp_path, {"api_key": "x"}, name="n", group="g", tags=[])
         for step in range(1, 5):
             fan.log_metrics(step, {"loss/pg": 1.0})
         fan.log_rollouts(1, rollouts(1))
@@ -375,7 +455,7 @@ def test_fanout_disables_a_failing_backend_with_one_warning(tmp_path):
 def test_fanout_buffers_log_every_steps_and_flushes_at_finish(tmp_path):
     rec = Recorder()
     fan = FanOutTracker([rec], log_every=3)
-    fan.start(tmp_path, {}, name="n", group="g", tags=[], resume=False)
+    fan.start(tmp_path, {}, name="n", group="g", tags=[])
     for step in range(1, 6):
         fan.log_metrics(step, {"x": step})
         if step == 2:
@@ -392,7 +472,7 @@ def test_mlflow_error_in_the_background_writer_reaches_the_fanout(tmp_path, mlfl
     mlflow = MLflowTracker(mlflow_uri, experiment="deleted-mid-run")
     rec = Recorder()
     fan = FanOutTracker([rec, mlflow])
-    fan.start(tmp_path, {}, name="d", group="g", tags=[], resume=False)
+    fan.start(tmp_path, {}, name="d", group="g", tags=[])
     fan.log_metrics(1, {"x": 1.0})
     mlflow._worker.wait()
     mlflow_client(mlflow_uri).delete_run(mlflow.run_id)  # later writes are refused
@@ -415,7 +495,7 @@ def test_mlflow_on_a_directory_path_fails_softly(tmp_path):
         TrackingConfig(mlflow_uri=f"sqlite:///{tmp_path / 'isadir.db'}", wandb=False), tmp_path
     )
     with pytest.warns(TrackerWarning, match="'mlflow' failed in start"):
-        fan.start(tmp_path / "run", {}, name="n", group="g", tags=[], resume=False)
+        fan.start(tmp_path / "run", {}, name="n", group="g", tags=[])
     fan.log_metrics(1, {"x": 1.0})
     fan.finish("finished")
     assert fan.active == []
@@ -445,10 +525,10 @@ def test_broken_mlflow_keeps_wandb_then_sync_replays_everything(
     assert run.data.params["tracking.wandb_api_key"] == "***"
     assert len(client.list_artifacts(run_id, "rollouts")) == 2
 
-    # Syncing again logs into the same run and adds no point.
-    assert sync_run(run_dir, "mlflow", good) == run_id
-    assert_history_equals_store(mlflow_uri, run_id, store)
-    assert len(client.search_runs([run.info.experiment_id])) == 1
+    # Syncing again replaces the run: still one active run, each point once.
+    again = sync_run(run_dir, "mlflow", good)
+    assert_history_equals_store(mlflow_uri, again, store)
+    assert [r.info.run_id for r in client.search_runs([run.info.experiment_id])] == [again]
 
 
 def test_sync_a_partial_run_into_wandb(tmp_path, offline_wandb):
@@ -483,7 +563,7 @@ def test_sanitize_metric_name_is_valid_and_injective_on_the_contract():
 
 def test_mlflow_keeps_colliding_names_apart(tmp_path, mlflow_uri):
     tracker = MLflowTracker(mlflow_uri, experiment="collide")
-    tracker.start(tmp_path, {}, name="c", group="g", tags=[], resume=False)
+    tracker.start(tmp_path, {}, name="c", group="g", tags=[])
     with pytest.warns(TrackerWarning, match="sanitise to the same name"):
         tracker.log_metrics(1, {"val/pass@4": 1.0, "val/pass_at_4": 2.0})
     assert tracker.metric_key("val/pass@4") == "val/pass_at_4"

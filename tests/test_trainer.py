@@ -173,8 +173,10 @@ def test_collapse_detector_ends_the_run_cleanly(tiny_overrides):
     assert {
         "answers/confidently_wrong",
         "answers/label_flip_rate",
+        "answers/grading_timeouts",
         "recovery/zero_pass_prompts",
     } <= set(df.columns)
+    assert df["answers/grading_timeouts"].dropna().eq(0).all()  # integer answers: exact path
 
 
 def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):

@@ -410,14 +410,15 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
     frames = []
     for run in runs:
         config = {k: v for k, v in dict(run.config).items() if not str(k).startswith("_")}
-        rows = []
+        points: dict[int, dict[str, Any]] = {}
         for row in run.scan_history():
             step = row.get("train/step", row.get("_step"))
             if step is None:
                 continue
-            rows.append(
-                {"train/step": step, **{k: v for k, v in row.items() if not k.startswith("_")}}
-            )
+            # one row per step; a step logged again (a resumed run) keeps its latest values
+            values = {k: v for k, v in row.items() if not k.startswith("_")}
+            points.setdefault(int(step), {}).update(values)
+        rows = [{**values, "train/step": step} for step, values in sorted(points.items())]
         ident = _identity(config, None)
         if not (config.get("run") or {}).get("name"):
             ident["run"] = run.name

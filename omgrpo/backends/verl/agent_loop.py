@@ -302,6 +302,8 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             list(om.reward.parts),
             dict(om.reward.weights),
             car["answers"] if car else None,
+            float(om.reward.grading_budget_s),
+            float(om.reward.equivalence_timeout),
         )
         prompt_id = self._prompt_id(kwargs0, list(outputs[0].prompt_ids))
         for k, (session, output) in enumerate(zip(sessions, outputs)):
@@ -320,6 +322,7 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 "prompt_id": prompt_id,
                 "session": k,
                 "rewards": {part: values[k] for part, values in scores.parts.items()},
+                "grading_timeouts": scores.grading_timeouts,  # the group's, on every rollout
             }
             if car is not None:
                 mine = [(p, a) for p, a in zip(car["pairs"], car["answers"]) if p[0] == k]

@@ -54,7 +54,7 @@ def step_metrics(
 
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
-        `answers/batch_mode`), `acc/train`, and with CAR the `car/*` diagnostics,
+        `answers/batch_mode`; `answers/grading_timeouts` summed over the groups' budgets), `acc/train`, and with CAR the `car/*` diagnostics,
         `car/top_vote_acc_without_car`, `car/seconds` (summed over groups) and `car/span_s`
         (wall clock from the first pair request to the last answer of the step).
     """
@@ -84,6 +84,9 @@ def step_metrics(
     metrics["answers/confidently_wrong"] = confidently_wrong(groups, correct, confident_share)
     metrics["answers/label_flip_rate"] = label_flip_rate(
         [g[0]["prompt_id"] for g in grouped], majority_answers(groups), last_majority
+    )
+    metrics["answers/grading_timeouts"] = float(
+        sum(g[0].get("grading_timeouts", 0) for g in grouped)
     )
     if has_car:
         rollout_answers = [[r["answer"] for r in g] for g in grouped]

@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from omgrpo.answers import equivalent, extract_boxed, normalize, set_math_verify
+from omgrpo.answers import (
+    DEFAULT_GRADING_BUDGET_S,
+    DEFAULT_PAIR_TIMEOUT_S,
+    equivalent,
+    extract_boxed,
+    grading_budget,
+    normalize,
+    set_math_verify,
+)
 from omgrpo.rewards import compute_rewards, format_score, make_group
 from omgrpo.spans import answer_mask_for_ids
 
@@ -90,6 +98,8 @@ class GroupScores:
     """z_i equivalent to the label (None: no label); diagnostics only."""
     texts: list[str] = field(default_factory=list)
     """Decoded responses."""
+    grading_timeouts: int = 0
+    """Answer pairs left undecided by the grading budget (`answers/grading_timeouts`)."""
 
 
 def score_group(
@@ -99,6 +109,8 @@ def score_group(
     parts: Sequence[str],
     weights: dict[str, float] | None = None,
     pool: Sequence[str | None] | None = None,
+    grading_budget_s: float = DEFAULT_GRADING_BUDGET_S,
+    pair_timeout: float = DEFAULT_PAIR_TIMEOUT_S,
 ) -> GroupScores:
     """Rewards of one group, with every rollout's answer-token mask.
 
@@ -109,6 +121,9 @@ def score_group(
         label: ground truth if known; only the `gt` part trains on it, `correct` diagnoses.
         parts, weights: `omgrpo.reward.parts` / `.weights`.
         pool: CAR's pair answers, extra soft-vote voters (never trained on).
+        grading_budget_s, pair_timeout: `omgrpo.reward.grading_budget_s` /
+            `.equivalence_timeout`; on verl the budget covers one group (groups are scored
+            concurrently in the agent-loop workers).
     """
     texts, answers, masks = [], [], []
     for ids in response_ids:
@@ -117,9 +132,12 @@ def score_group(
         texts.append(text)
         answers.append(boxed.content if boxed is not None else None)
         masks.append(mask.to(torch.int64))
-    group = make_group(answers, label=label, pool=pool)
-    total, values = compute_rewards([group], list(parts), dict(weights or {}))
-    correct = [None if label is None else (a is not None and equivalent(a, label)) for a in answers]
+    with grading_budget(grading_budget_s, pair_timeout) as budget:
+        group = make_group(answers, label=label, pool=pool)
+        total, values = compute_rewards([group], list(parts), dict(weights or {}))
+        correct = [
+            None if label is None else (a is not None and equivalent(a, label)) for a in answers
+        ]
     return GroupScores(
         rewards=[float(x) for x in total],
         parts={k: [float(x) for x in v] for k, v in values.items()},
@@ -127,4 +145,5 @@ def score_group(
         answer_masks=masks,
         correct=correct,
         texts=texts,
+        grading_timeouts=budget.timeouts,
     )
