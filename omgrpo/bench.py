@@ -41,15 +41,9 @@ CAR_VARIANTS = {
 }
 
 
-def bench_car(
-    steps: int = 3,
-    overrides: list[str] | None = None,
-    partial: Path | None = None,
-    variants: list[str] | None = None,
-) -> dict:
-    from omgrpo.trainer import train
-
-    fixed = [
+def _fixed(steps: int, overrides: list[str] | None) -> list[str]:
+    """Overrides of every benchmark run: no validation, trackers, checkpoints or progress bar."""
+    return [
         "eval.every=0",
         "trainer.progress=false",
         "tracking.mlflow=false",
@@ -58,6 +52,17 @@ def bench_car(
         f"trainer.steps={steps}",
         *(overrides or []),
     ]
+
+
+def bench_car(
+    steps: int = 3,
+    overrides: list[str] | None = None,
+    partial: Path | None = None,
+    variants: list[str] | None = None,
+) -> dict:
+    from omgrpo.trainer import train
+
+    fixed = _fixed(steps, overrides)
     chosen = variants or list(CAR_VARIANTS)
     unknown = sorted(set(chosen) - set(CAR_VARIANTS))
     if unknown or not {"a_mv", "c_om_grpo_car"} <= set(chosen):
@@ -212,16 +217,7 @@ def bench_step(
     baseline: Path | None = None,
     new_only: list[str] | None = None,
 ) -> dict:
-    fixed = [
-        "method=mv",
-        "eval.every=0",
-        "trainer.progress=false",
-        "tracking.mlflow=false",
-        "tracking.wandb=false",
-        "trainer.save_every=0",
-        f"trainer.steps={steps}",
-        *(overrides or []),
-    ]
+    fixed = _fixed(steps, ["method=mv", *(overrides or [])])
     # A relative cache dir would differ between this tree and the baseline's working dir.
     cache = Path(compose(fixed).model.cache_dir).resolve()
     fixed.append(f"model.cache_dir={cache}")

@@ -3,29 +3,17 @@ the prefix tree's scoring layout against the plain forward."""
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from test_car import _toy  # a random toy Qwen3 with an untied random output layer
 
 from omgrpo import engine
 from omgrpo.engine import _HFKV, _LeanKV, decode, lean_decoding_supported, prefix_tree_forward
-from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.models.toy import build_toy_model
 
 SYSTEM = "<|im_start|>system\nThink step by step.<|im_end|>\n"
 QUESTIONS = ["Evaluate left to right: 7+5", "Hi", "Evaluate: 12*3-4+1"]
 
 
-def _model(num_heads=4, num_kv_heads=2, seed=0):
-    tok = build_char_tokenizer()
-    arch = dict(hidden_size=32, num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads)
-    model = build_toy_model(OmegaConf.create(arch), tok, seed=seed).eval()
-    # an untied random head: greedy tokens then differ by row and step
-    head = torch.nn.Linear(32, len(tok), bias=False)
-    with torch.no_grad():
-        head.weight.copy_(
-            torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(7))
-        )
-    model.lm_head = head
-    return model, tok
+def _model(num_heads=4, num_kv_heads=2):
+    return _toy(2, seed=0, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 def _prompts(tok):
