@@ -19,6 +19,7 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -277,7 +278,10 @@ def main(argv: list[str]) -> int:
         if ns.name == "step"
         else {"variants": ns.variants}
     )
-    result = BENCHMARKS[ns.name](steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs)
+    with contextlib.redirect_stdout(sys.stderr):  # training's console; stdout is the result
+        result = BENCHMARKS[ns.name](
+            steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs
+        )
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)

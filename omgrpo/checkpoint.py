@@ -44,6 +44,7 @@ RESUME_IGNORED_KEYS = {
     "trainer.log_every",
     "trainer.save_every",
     "trainer.keep_checkpoints",
+    "trainer.keep_best",
 }
 RESUME_IGNORED_SECTIONS = ("tracking.", "console.")
 

@@ -1,4 +1,4 @@
-"""`omgrpo` command line: train | (more subcommands land with their issues).
+"""`omgrpo` command line: train, sync, sweep, bench, eval, data, tables, figures, report.
 
 `omgrpo train [key=value ...] [--multirun]` is a Hydra app over `experiments/config.yaml`;
 everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` and
@@ -32,6 +32,14 @@ commands:
   bench step [--steps N] [--json] [--baseline DIR] [overrides...]
                          seconds per step by stage, rollout tokens/s and peak memory (MV, toy,
                          16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR
+  eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
+                         [--backend native|vllm]
+                         sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)
+                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md)
+  data convert SOURCE --out FILE.jsonl [--split S] [--config C]
+                         a local benchmark copy (file or HF datasets cache) -> question/answer rows
+  tables RUNS_OR_EVALS... --out DIR
+                         the paper's tables (markdown + LaTeX) from eval summaries
   figures RUNS... --out DIR
                          the paper's figures (PNG + PDF) from run directories
   report RUNS... --out reports/<name>/
@@ -57,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
         from omgrpo.bench import main as bench_main
 
         return bench_main(rest)
-    if command in {"figures", "report"}:
+    if command in {"eval", "data"}:
+        from omgrpo.eval import cli as eval_cli
+
+        return getattr(eval_cli, f"{command}_main")(rest)
+    if command in {"figures", "report", "tables"}:
         from omgrpo.analysis import cli as analysis_cli
 
         return getattr(analysis_cli, f"{command}_main")(rest)

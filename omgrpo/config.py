@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.car import CarConfig
+from omgrpo.losses import AGG_MODES
 from omgrpo.tracking import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -61,6 +62,28 @@ class TaskConfig:
     """Toy: largest multiplier."""
     max_value: int = 99
     """Toy: every intermediate value stays in [0, max_value]."""
+    hard_share: float = 0.0
+    """Toy: share of problems from the hard regime (`hard_steps` ops, values <= `hard_max_value`)."""
+    hard_steps: int = 3
+    """Toy: operations per hard problem."""
+    hard_max_start: int = 20
+    """Toy: largest starting value of hard problems."""
+    hard_max_operand: int = 20
+    """Toy: largest operand of + and - in hard problems."""
+    hard_max_factor: int = 5
+    """Toy: largest multiplier in hard problems."""
+    hard_max_value: int = 99
+    """Toy: value range of hard problems."""
+    guess_rate_easy: float = 0.0
+    """Toy shortcut worlds: share of easy SFT solutions that box a guess (docs/toy-worlds.md)."""
+    guess_rate_hard: float = 0.0
+    """Toy shortcut worlds: share of hard SFT solutions that box a guess."""
+    guess_peak: int = 1
+    """Toy shortcut worlds: the guess prior's peak value."""
+    guess_peak_p: float = 0.6
+    """Toy shortcut worlds: P(guess = guess_peak), else uniform; 0 = flat prior."""
+    bare_guess: bool = False
+    """Toy shortcut worlds: a guessed SFT solution is only the boxed sentence, no reasoning."""
     train_path: str | None = None
     """Files: training set (.jsonl/.json/.parquet) with question/answer columns."""
     val_path: str | None = None
@@ -88,6 +111,10 @@ class WarmStartConfig:
     ranges), so CAR runs on a base that never saw the CAR prompt (see `car/unclosed`)."""
     seed: int = 0
     """Seed of the initial weights and SFT batches."""
+    check_problems: int = 128
+    """Unseen problems, sampled 8 times each, for the base's acceptance checks (guess rates,
+    answer-token entropy, accuracy by difficulty; omgrpo.basecheck), stored as checks.json
+    beside the base. 0 skips them. Not part of the base's cache key."""
 
 
 @dataclass
@@ -128,7 +155,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     """Longest response (tokens)."""
     max_prompt_len: int = 512
-    """Longer prompts are refused with an error naming the problem."""
+    """Longest prompt (tokens, chat template included); every train/val prompt is checked at
+    setup and the error lists the longer ones (file, line, id)."""
 
 
 @dataclass
@@ -164,8 +192,15 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """The algorithm section of both backends (verl reads `answer_weight`, `format_only` and
+    `adv_eps`; its own actor keys hold the rest, see `omgrpo.backends.verl.config`)."""
+
     answer_weight: float = 0.0
-    """w: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla GRPO)."""
+    """w >= 0: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla
+    GRPO, between: the paper's soft down-weighting; above 1 up-weights the answer)."""
+    answer_kl_weight: float | None = None
+    """Weight (>= 0) of answer-span tokens in the KL term alone; null = answer_weight (the paper:
+    both terms masked). 1 with answer_weight 0 masks the PG term but keeps the KL anchor."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
@@ -182,6 +217,23 @@ class AlgorithmConfig:
     """Rollouts per optimizer step (null: all of the step's rollouts, one update)."""
     micro_batch_size: int | None = None
     """Rollouts per forward pass (gradient accumulation); null: the whole mini-batch."""
+
+
+def validate_algorithm(algo: DictConfig, prefix: str) -> None:
+    """Reject values no backend can train with, naming the key (`prefix`.<field>)."""
+    if algo.agg not in AGG_MODES:
+        raise ValueError(f"unknown {prefix}.agg '{algo.agg}'; valid: {', '.join(AGG_MODES)}")
+    if algo.answer_weight < 0:
+        raise ValueError(
+            f"{prefix}.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO), "
+            f"got {algo.answer_weight}"
+        )
+    if algo.answer_kl_weight is not None and algo.answer_kl_weight < 0:
+        raise ValueError(
+            f"{prefix}.answer_kl_weight must be >= 0 or null, got {algo.answer_kl_weight}"
+        )
+    if algo.adv_eps < 0:
+        raise ValueError(f"{prefix}.adv_eps must be >= 0, got {algo.adv_eps}")
 
 
 @dataclass
@@ -214,12 +266,19 @@ class TrainerConfig:
     """Checkpoint every N steps (and at the end); 0 only at the end."""
     keep_checkpoints: int = 2
     """Newest checkpoints kept on disk."""
+    keep_best: str | None = "val/acc"
+    """Also keep the checkpoint with the best value of this logged metric (validation split),
+    for `omgrpo eval --checkpoint best`; null keeps only the newest."""
     log_rollouts_every: int = 5
     """Write the step's rollouts to the run store every N steps (and at step 1)."""
     max_consecutive_skips: int = 3
     """Abort after this many consecutive steps with a NaN/inf loss."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show a progress bar when stderr is a terminal (false: plain lines, as in a log)."""
+    log_every: int = 1
+    """Print a one-line summary (step, reward, answers per prompt, kl/answer, kl/reasoning,
+    last val/acc, s/step) every N steps when stdout is not a terminal or there is no bar;
+    0: never."""
     threads: int | None = None
     """torch CPU threads (null: torch's default)."""
 

@@ -291,6 +291,7 @@ def grpo_loss(
     answer_mask: Tensor,
     *,
     answer_weight: float = 0.0,
+    answer_kl_weight: float | None = None,
     format_advantages: Tensor | None = None,
     clip: float = 0.2,
     kl_coef: float = 0.005,
@@ -309,7 +310,10 @@ def grpo_loss(
       ``rho = exp(logp - old_logp)`` (log-ratio clamped to +-20 as in verl),
       ``pg_t = -min(rho * a_t, clamp(rho, 1 - clip, 1 + clip) * a_t)``.
       For ``w >= 0`` scaling ``A`` by ``w`` scales the clipped surrogate by exactly ``w``.
-    - KL ``kl_t = m_t * k3_t`` (:func:`kl_k3`; the weight is ``m_t`` in format-only mode too).
+    - KL ``kl_t = u_t * k3_t`` (:func:`kl_k3`) with ``u_t = answer_kl_weight`` on answer tokens
+      (default: ``m_t``, the paper's masked objective; also in format-only mode). A separate
+      ``answer_kl_weight`` (e.g. 1 with ``w = 0``: mask the PG term, keep the KL anchor on the
+      answer) lets a study separate the two masked terms.
 
     ``loss = agg(pg) + kl_coef * agg(kl)``, both aggregated over ``response_mask`` with the same
     denominator: masking never renormalises, so changing ``w`` leaves reasoning-token gradients
@@ -324,6 +328,7 @@ def grpo_loss(
         response_mask: (B, T) bool or 0/1, valid response tokens.
         answer_mask: (B, T) bool or 0/1, answer-span tokens (intersected with the response).
         answer_weight: OMU weight ``w`` on answer tokens (0 = OM-GRPO, 1 = GRPO).
+        answer_kl_weight: KL weight on answer tokens; None = ``answer_weight``.
         format_advantages: optional (B,) advantage used on answer tokens ("format-only").
         clip: PPO clip range epsilon.
         kl_coef: KL coefficient beta; 0 disables the KL term (``ref_logprobs`` may be None).
@@ -380,7 +385,11 @@ def grpo_loss(
     if ref_logprobs is not None:
         k3 = kl_k3(logprobs, ref_logprobs.detach())
     if use_kl:
-        kl = agg_loss(k3 * weights, resp, agg, num_tokens)
+        kl_weight = answer_weight if answer_kl_weight is None else answer_kl_weight
+        kl_weights = (
+            weights if kl_weight == answer_weight else token_weights(answer, kl_weight, dtype=dtype)
+        )
+        kl = agg_loss(k3 * kl_weights, resp, agg, num_tokens)
         loss = pg + kl_coef * kl
     else:
         kl = torch.zeros((), dtype=dtype, device=logprobs.device)

@@ -15,12 +15,16 @@ import json
 import os
 import shutil
 import traceback
+import uuid
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import yaml
+
+_ATTEMPT: ContextVar[str | None] = ContextVar("omgrpo_run_attempt", default=None)
 
 
 class RunStore:
@@ -130,16 +134,41 @@ class RunStore:
         done = self.complete_checkpoints()
         return done[0] if done else None
 
-    def prune_checkpoints(self, keep: int) -> None:
+    def checkpoints_by_step(self) -> dict[int, Path]:
+        """Step -> folder of every completely written checkpoint, oldest first."""
+        return {int(p.name.split("_")[1]): p for p in reversed(self.complete_checkpoints())}
+
+    def best_checkpoint(self, metric: str) -> tuple[int, float, dict[int, float]] | None:
+        """The complete checkpoint whose step logged the highest `metric` (ties: the later
+        step): (step, value, every candidate step -> value), or None if none logged it."""
+        df = self.read_metrics()
+        if metric not in df.columns:
+            return None
+        values = pd.to_numeric(df.set_index("train/step")[metric], errors="coerce").dropna()
+        candidates = {s: float(values[s]) for s in self.checkpoints_by_step() if s in values}
+        if not candidates:
+            return None
+        step = max(candidates, key=lambda s: (candidates[s], s))
+        return step, candidates[step], candidates
+
+    def prune_checkpoints(self, keep: int, keep_best: str | None = None) -> None:
+        """Keep the newest `keep` checkpoints, and with `keep_best` also the best one by that
+        metric (so `omgrpo eval --checkpoint best` finds it after later ones are written)."""
         done = sorted(self.checkpoints_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        best = self.best_checkpoint(keep_best) if keep_best else None
+        protect = self.checkpoint_dir(best[0]) if best else None
         for path in done[: max(0, len(done) - keep)]:
-            shutil.rmtree(path, ignore_errors=True)
+            if path != protect:
+                shutil.rmtree(path, ignore_errors=True)
 
     # -- status ---------------------------------------------------------------------------
     def write_status(self, **status: Any) -> None:
-        """Replace status.json (atomically: a kill never leaves half a file). The writing
-        process's id goes in as `pid`, so `recording_failures` knows whose run it is."""
-        _write_json_atomic(self.dir / "status.json", {**status, "pid": os.getpid()})
+        """Replace status.json (atomically: a kill never leaves half a file). Inside
+        `recording_failures` the attempt's id goes in as `attempt`, so a failure is recorded
+        only for a run this attempt started."""
+        if (attempt := _ATTEMPT.get()) is not None:
+            status["attempt"] = attempt
+        _write_json_atomic(self.dir / "status.json", status)
 
     def read_status(self) -> dict[str, Any]:
         path = self.dir / "status.json"
@@ -151,14 +180,15 @@ class RunStore:
         traceback) or `killed` (Ctrl-C) when the body raises after this process set the run
         `running`; re-raise. A refusal before the run started (e.g. a config change on
         resume) leaves the status of the run on disk alone."""
+        attempt = uuid.uuid4().hex
+        token = _ATTEMPT.set(attempt)
         try:
             yield self
         except BaseException as e:
             status = self.read_status()
-            ours = status.get("pid") == os.getpid() and "error" not in status
+            ours = status.get("attempt") == attempt and "error" not in status
             if ours and status.get("state") in ("running", "failed"):
                 killed = isinstance(e, KeyboardInterrupt | SystemExit)
-                status.pop("pid", None)
                 status["state"] = "killed" if killed else "failed"
                 status["error"] = {
                     "type": type(e).__name__,
@@ -168,6 +198,8 @@ class RunStore:
                 }
                 self.write_status(**status)
             raise
+        finally:
+            _ATTEMPT.reset(token)
 
     # -- tracker ids ----------------------------------------------------------------------
     def tracker_ids(self) -> dict[str, str]:

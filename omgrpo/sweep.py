@@ -22,7 +22,10 @@ subprocess:
   MLflow store is created once beforehand (parallel first migrations would race) and each toy
   base the runs need is trained once beforehand with all cores;
 - `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
-  failed, listing their logs.
+  failed, listing their logs;
+- `--eval SUITE [--eval-checkpoint last,best,base] [--tables DIR]`: after training, every
+  finished run is evaluated (`omgrpo eval`, resumable, output appended to the run's log) and
+  the paper's tables are written to DIR (`omgrpo tables`), so a sweep ends in its table.
 """
 
 from __future__ import annotations
@@ -326,6 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also rerun (resume) runs whose status.json says failed (skipped by default)",
     )
     parser.add_argument(
+        "--eval", metavar="SUITE", help="evaluate finished runs on this suite (paper, toy, YAML)"
+    )
+    parser.add_argument(
+        "--eval-checkpoint",
+        default="last",
+        help="comma-separated checkpoints to evaluate (last, best, base, step_N; default last)",
+    )
+    parser.add_argument("--tables", metavar="DIR", help="with --eval: write the tables here")
+    parser.add_argument(
         "overrides", nargs="*", help="extra Hydra overrides for every run (key=value)"
     )
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
@@ -354,7 +366,58 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
         return 0
 
-    return _execute(sweep_name, runs, todo, args.jobs)
+    status = _execute(sweep_name, runs, todo, args.jobs)
+    if args.eval:
+        checkpoints = [c.strip() for c in args.eval_checkpoint.split(",") if c.strip()]
+        status = max(status, _evaluate(runs, args.eval, checkpoints, args.jobs))
+        if args.tables:
+            from omgrpo.analysis.paper_tables import write_tables
+
+            try:
+                tabled = next((c for c in checkpoints if c != "base"), "last")
+                dirs = [r.dir for r in runs if r.dir.exists()]
+                path = write_tables(dirs, args.tables, tabled)
+                print(f"tables: {path}")
+            except FileNotFoundError as e:
+                print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
+                status = max(status, 1)
+    return status
+
+
+def _evaluate(runs: list[Run], suite: str, checkpoints: list[str], jobs: int) -> int:
+    """`omgrpo eval` on every finished run (a subprocess each, `jobs` at once, output
+    appended to the run's log); finished evaluations are kept. Returns 1 if any failed."""
+    done = [r for r in runs if read_status(r.dir).get("state") in DONE_STATES]
+    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
+
+    def one(run: Run, checkpoint: str) -> tuple[Run, str, int]:
+        cmd = [
+            sys.executable,
+            "-m",
+            "omgrpo",
+            "eval",
+            str(run.dir),
+            "--suite",
+            suite,
+            "--checkpoint",
+            checkpoint,
+        ]
+        with run.log.open("a") as log:
+            log.write(f"=== omgrpo sweep: {' '.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+        return run, checkpoint, proc.returncode
+
+    print(f"evaluating {len(done)} finished run(s) on suite {suite} ({', '.join(checkpoints)})")
+    failed = 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, r, c) for r in done for c in checkpoints]
+        for future in as_completed(futures):
+            run, checkpoint, code = future.result()
+            word = "evaluated" if code == 0 else f"EVAL FAILED (exit {code}, log: {run.log})"
+            print(f"  {word} {run.name} [{checkpoint}]", flush=True)
+            failed += code != 0
+    return 1 if failed else 0
 
 
 def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> int:

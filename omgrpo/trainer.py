@@ -1,21 +1,24 @@
 """The native OM-GRPO trainer (one process, CPU or one GPU).
 
-One step, top to bottom:
+One step (`train_step`), top to bottom:
   1. take `prompts_per_step` problems (a fixed shuffle per epoch, derived from the seed)
   2. sample G rollouts per prompt with the current policy              time/gen
-  3. extract each rollout's last \\boxed{} answer and its token span
+  3. CAR: the policy answers pairs of its own solutions (pool only)    time/car
   4. old and reference log-probs (+ token entropy, self-certainty)    time/old_logprob, ref
      (no old pass with one update per step: the update's own forward gives them)
-  5. rewards over each group (soft vote + format for OM-GRPO)         time/reward
-  6. GRPO advantages; answer-span tokens weighted by w               time/adv
-  7. PPO epochs over mini-batches of the clipped surrogate + k3 KL    time/update
-  8. diagnostics, validation, checkpoint, log to the run store
+  5. `omgrpo.step.score_step`: answers, answer-token masks, rewards   time/reward
+     over each group (soft vote + format for OM-GRPO), GRPO advantages
+  6. PPO epochs over mini-batches of the clipped surrogate + k3 KL,   time/update
+     answer-span tokens weighted by w
+  7. `omgrpo.step.step_metrics` and the update's metrics
+`train` wraps it with validation, collapse detection, logging and checkpoints.
 
 Labels never enter a label-free reward: they are only read by the `gt` reward and diagnostics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import resource
@@ -23,6 +26,7 @@ import time
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +34,14 @@ import numpy as np
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
-from omgrpo.answers import (
-    GradingBudget,
-    equivalent,
-    extract_boxed,
-    grading_scope,
-    set_math_verify,
-    use_grading_budget,
-)
-from omgrpo.car import generate_pair_answers, top_vote_metrics
+from omgrpo.answers import GradingBudget, grading_scope, set_math_verify, use_grading_budget
+from omgrpo.car import CarResult, generate_pair_answers
 from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
-from omgrpo.config import to_container
-from omgrpo.diagnostics import (
-    CollapseDetector,
-    answer_diagnostics,
-    confidently_wrong,
-    label_flip_rate,
-    majority_answers,
-    recovery_metrics,
-)
-from omgrpo.losses import AGG_MODES, group_advantages, grpo_loss, token_logprobs_and_entropy
+from omgrpo.config import to_container, validate_algorithm
+from omgrpo.console import TRAIN_FIELDS, Progress
+from omgrpo.diagnostics import CollapseDetector, recovery_metrics
+from omgrpo.losses import grpo_loss, token_logprobs_and_entropy
 from omgrpo.models.loading import (
     base_model_dir,
     load_model,
@@ -59,11 +49,11 @@ from omgrpo.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from omgrpo.rewards import compute_rewards, get_reward, make_group
+from omgrpo.rewards import get_reward, make_group
 from omgrpo.rollout import Sequences, response_logits, sample, score, stop_token_ids
-from omgrpo.spans import answer_mask_for_ids
+from omgrpo.step import LoopState, StepBatch, decode_responses, is_correct, score_step, step_metrics
 from omgrpo.store import RunStore
-from omgrpo.tasks import TASKS, Problem, load_task, render_prompt
+from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
 from omgrpo.tracking import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -84,6 +74,47 @@ class StageTimer:
         self.seconds[stage] += time.perf_counter() - start
 
 
+@dataclass
+class Run:
+    """What a run sets up once and every step uses (models, optimizer, data, run store)."""
+
+    cfg: DictConfig
+    config: dict  # the resolved config (logged, compared on resume)
+    store: RunStore
+    base: str  # base model directory
+    device: torch.device
+    tokenizer: Any
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None  # reference model for the KL term (None when kl_coef = 0)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    encode: PromptEncoder
+    stop_ids: list[int]
+    train_problems: list[Problem]
+    val_problems: list[Problem]
+    steps_per_epoch: int
+    total_steps: int
+
+    def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
+        """n responses per problem from the policy (prompts through the chat template)."""
+        return sample(
+            self.policy,
+            [self.encode(p) for p in problems],
+            n=n,
+            max_new_tokens=self.cfg.rollout.max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            eos_id=self.stop_ids,
+            pad_id=self.tokenizer.pad_token_id,
+            **kw,
+        )
+
+    def status(self, state: str, step: int, **extra: Any) -> None:
+        self.store.write_status(
+            state=state, step=step, total_steps=self.total_steps, base_model=self.base, **extra
+        )
+
+
 def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
     step as if the process were killed (used to test resume). An exception marks the run
@@ -93,6 +124,171 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
 
 
 def _train(cfg: DictConfig, stop_after: int | None) -> Path:
+    run = setup(cfg)
+    state = resume_or_start(run)
+    c = cfg.collapse
+    detector = CollapseDetector(c.max_unique_per_prompt, c.min_mode_share, c.patience)
+    detector.state = state.collapse  # the same dict: checkpoints see its updates
+    tracker = start_tracker(run, resume_step=state.step if state.step > 0 else None)
+    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
+    with tracker, grading_scope():
+        console = Progress(
+            cfg.run.name,
+            run.total_steps,
+            TRAIN_FIELDS,
+            start=state.step,
+            every=cfg.trainer.log_every,
+            bar=cfg.trainer.progress,
+        )
+        if state.step == 0 and _validating(run):
+            metrics0 = validate(run, 0, state.recovery)
+            log_step(run, tracker, 0, metrics0)
+            console.update(0, metrics0)
+        for step in range(state.step + 1, run.total_steps + 1):
+            state.step = step
+            problems = batch_for_step(
+                run.train_problems, step, cfg.trainer.prompts_per_step, cfg.seed
+            )
+            batch, metrics = train_step(run, state, problems)
+            if _validating(run) and _due(step, cfg.eval.every, run.total_steps):
+                metrics.update(validate(run, step, state.recovery))
+            collapsed_now = detector.update(step, metrics)
+            if collapsed_now:
+                metrics["collapse/detected_step"] = step
+                console.write(_collapse_message(step, metrics))
+            log_step(run, tracker, step, metrics, batch)
+            if _due(step, cfg.trainer.save_every, run.total_steps):
+                save(run, state)
+            run.status("running", step)
+            console.update(step, metrics)
+            if collapsed_now and cfg.collapse.stop:
+                console.close()
+                run.status("collapsed", step, collapse_step=step)
+                return run.store.dir
+            if stop_after is not None and step >= stop_after:
+                return run.store.dir  # simulated kill (tests): no "finished" status
+        console.close()
+        run.status("finished", run.total_steps)
+    return run.store.dir
+
+
+def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[StepBatch, dict]:
+    """RL step `state.step` on `problems` (module docstring): updates the policy and `state`,
+    returns the scored batch and the step's metrics. Raises FloatingPointError after
+    `trainer.max_consecutive_skips` non-finite steps in a row."""
+    cfg, policy = run.cfg, run.policy
+    timer = StageTimer(run.device)
+    # all of this step's answer comparisons share one budget (omgrpo.answers)
+    grading = use_grading_budget(
+        GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
+    )
+    if run.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if "coreward" in cfg.reward.parts:  # the paraphrases too; group g's partner is g +- P
+        problems = problems + [_paraphrased(p) for p in problems]
+    seqs, car = generate(run, problems, state.step, timer)
+    need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
+    # with a single update per step the old policy is the updated one: the update reuses its
+    # own forward for the old log-probs (no extra pass)
+    old = {"logprobs": None}
+    if need_stats or not single_update(cfg.algorithm, len(seqs)):
+        with timer("old_logprob"):
+            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
+    ref_logprobs = None
+    if run.ref is not None:
+        with timer("ref_logprob"):
+            ref_logprobs = score(run.ref, seqs, cfg.algorithm.micro_batch_size)["logprobs"]
+    with timer("reward"):  # answers, rewards and advantages
+        stats = old if need_stats else None
+        batch = score_step(
+            run.tokenizer,
+            seqs.response_ids,
+            seqs.response_mask,
+            problems,
+            cfg,
+            car=car,
+            stats=stats,
+        )
+    with timer("update"):
+        policy.train()
+        update = ppo_update(
+            policy,
+            run.optimizer,
+            seqs,
+            old["logprobs"],
+            ref_logprobs,
+            batch,
+            cfg.algorithm,
+            cfg.optim.grad_clip,
+        )
+        with warnings.catch_warnings():  # a skipped step has no optimizer.step()
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            run.scheduler.step()  # the schedule counts training steps, skipped ones included
+    _count_skip(run, state, update.pop("skipped"))
+    metrics = {
+        "train/epoch": (state.step - 1) // run.steps_per_epoch,
+        "train/skipped_steps": state.skipped,
+        **step_metrics(batch, state, cfg.collapse.confident_share),
+        **update,
+        "lr": run.scheduler.get_last_lr()[0],
+        "answers/grading_timeouts": grading.timeouts,
+    }
+    timer.seconds["step"] = sum(timer.seconds.values())
+    metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
+    metrics["mem/peak_gb"] = _peak_memory_gb(run.device)
+    metrics["perf/tokens_per_s"] = float(seqs.response_mask.sum()) / timer.seconds["gen"]
+    return batch, metrics
+
+
+def generate(
+    run: Run, problems: list[Problem], step: int, timer: StageTimer
+) -> tuple[Sequences, CarResult | None]:
+    """G rollouts per prompt from the current policy and, with CAR, its pair answers (they
+    only enlarge the soft-vote pool, they are never trained on)."""
+    cfg, policy, tokenizer = run.cfg, run.policy, run.tokenizer
+    G = cfg.rollout.n
+    policy.eval()
+    with timer("gen"):
+        seqs = run.sample(problems, G, cfg.rollout.temperature, cfg.rollout.top_p)
+    if not cfg.car.enable:
+        return seqs, None
+    with timer("car"):
+        texts = decode_responses(tokenizer, seqs.response_ids, seqs.response_mask).texts
+        car = generate_pair_answers(
+            policy,
+            tokenizer,
+            [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)],
+            cfg.car,
+            rng=random.Random(f"{cfg.seed}-car-{step}"),
+        )
+    return seqs, car
+
+
+def log_step(run: Run, tracker, step: int, metrics: dict, batch: StepBatch | None = None) -> None:
+    """Metrics to the run store and the trackers; the rollouts too at step 1 and every
+    `trainer.log_rollouts_every` steps."""
+    run.store.log_metrics(step, metrics)
+    tracker.log_metrics(step, metrics)
+    if batch is not None and (step == 1 or step % max(run.cfg.trainer.log_rollouts_every, 1) == 0):
+        table = rollout_table(step, batch)
+        run.store.log_rollouts(step, table)
+        tracker.log_rollouts(step, table)
+
+
+def _collapse_message(step: int, metrics: dict) -> str:
+    return (
+        f"collapse detected at step {step}: "
+        f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
+        f"'{metrics['answers/batch_mode']}' in "
+        f"{metrics['answers/batch_mode_share']:.0%} of the batch"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Setup, resume, checkpoints
+# ----------------------------------------------------------------------------------------
+def setup(cfg: DictConfig) -> Run:
+    """Check the config, then load the data, the models and the optimizer."""
     config = to_container(cfg)
     check_config(cfg)
     store = RunStore(Path(cfg.run.root) / cfg.run.name)
@@ -104,8 +300,6 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_math_verify(cfg.reward.math_verify)
-
-    # -- data and models ---------------------------------------------------------------
     splits = load_task(cfg.task)
     base = base_model_dir(cfg.model, cfg.task, splits)
     device = resolve_device(cfg.model.device)
@@ -119,11 +313,10 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tokenizer, policy)
     _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
-    encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
-    coreward = "coreward" in cfg.reward.parts
-    if coreward and any(p.paraphrase is None for p in splits.train):
+    if "coreward" in cfg.reward.parts and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
-
+    encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
+    check_prompt_lengths(splits, encode, paraphrases="coreward" in cfg.reward.parts)
     steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
     total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(
@@ -133,269 +326,105 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
         eps=cfg.optim.eps,
         weight_decay=cfg.optim.weight_decay,
     )
-    scheduler = warmup_cosine(
-        optimizer, total_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio
+    return Run(
+        cfg=cfg,
+        config=config,
+        store=store,
+        base=base,
+        device=device,
+        tokenizer=tokenizer,
+        policy=policy,
+        ref=ref,
+        optimizer=optimizer,
+        scheduler=warmup_cosine(
+            optimizer, total_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio
+        ),
+        encode=encode,
+        stop_ids=stop_ids,
+        train_problems=splits.train,
+        val_problems=splits.val[: cfg.eval.num_prompts],
+        steps_per_epoch=steps_per_epoch,
+        total_steps=total_steps,
     )
 
-    # -- resume or start ---------------------------------------------------------------
-    # Everything the loop carries from step to step (checkpointed, so resume is exact).
-    loop = {
-        "skipped": 0,
-        "consecutive_skips": 0,
-        "last_majority": {},
-        "recovery": {},
-        "collapse": None,
-    }
-    start = 0
-    checkpoint = load_latest_intact_checkpoint(store, config) if cfg.run.resume else None
-    if checkpoint is not None:
-        state = checkpoint[1]
-        policy.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        loop, start = state["loop"], state["step"]
-        store.truncate_metrics(start)
-        print(f"resuming {store.dir} from step {start}")
-    else:
-        store.truncate_metrics(-1)
-        store.write_config(config)
-    store.write_status(state="running", step=start, total_steps=total_steps, base_model=base)
-    c = cfg.collapse
-    detector = CollapseDetector(c.max_unique_per_prompt, c.min_mode_share, c.patience)
-    if loop["collapse"] is not None:
-        detector.state = loop["collapse"]
-    loop["collapse"] = detector.state  # the same dict: checkpoints see its updates
 
+def resume_or_start(run: Run) -> LoopState:
+    """The newest checkpoint's state (models, optimizer, RNGs restored) with `run.resume`,
+    else a fresh state; marks the run as running."""
+    state = LoopState()
+    checkpoint = (
+        load_latest_intact_checkpoint(run.store, run.config) if run.cfg.run.resume else None
+    )
+    if checkpoint is not None:
+        saved = checkpoint[1]
+        run.policy.load_state_dict(saved["model"])
+        run.optimizer.load_state_dict(saved["optimizer"])
+        run.scheduler.load_state_dict(saved["scheduler"])
+        set_rng_state(saved["rng"])
+        state = LoopState(**saved["loop"], step=saved["step"])
+        run.store.truncate_metrics(state.step)
+        print(f"resuming {run.store.dir} from step {state.step}")
+    else:
+        run.store.truncate_metrics(-1)
+        run.store.write_config(run.config)
+    run.status("running", state.step)
+    return state
+
+
+def start_tracker(run: Run, resume_step: int | None):
+    """The configured trackers (MLflow, W&B), started on this run."""
+    cfg = run.cfg
     tracker = build_trackers(cfg.tracking, Path(cfg.run.root))
     tracker.start(
-        store.dir,
-        config,
+        run.store.dir,
+        run.config,
         name=cfg.run.name,
         group=cfg.run.experiment,
         tags=list(cfg.run.tags),
-        resume_step=start if checkpoint is not None else None,
+        resume_step=resume_step,
     )
-    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
-    with tracker, grading_scope():
-        val_problems = splits.val[: cfg.eval.num_prompts]
-        if start == 0 and cfg.eval.every > 0 and val_problems:
-            metrics0 = validate(policy, tokenizer, encode, val_problems, cfg, 0, loop["recovery"])
-            store.log_metrics(0, metrics0)
-            tracker.log_metrics(0, metrics0)
+    return tracker
 
-        bar = tqdm(
-            range(start + 1, total_steps + 1),
-            initial=start,
-            total=total_steps,
-            desc=cfg.run.name,
-            disable=not cfg.trainer.progress,
-            dynamic_ncols=True,
+
+def save(run: Run, state: LoopState) -> None:
+    """Checkpoint the step just finished and prune old checkpoints."""
+    loop = dataclasses.asdict(state)
+    step = loop.pop("step")
+    save_checkpoint(
+        run.store.checkpoint_dir(step),
+        step=step,
+        model=run.policy,
+        optimizer=run.optimizer,
+        scheduler=run.scheduler,
+        loop_state=loop,
+        config=run.config,
+    )
+    run.store.prune_checkpoints(run.cfg.trainer.keep_checkpoints, run.cfg.trainer.keep_best)
+
+
+def _count_skip(run: Run, state: LoopState, skipped: bool) -> None:
+    """Count a skipped (non-finite) step; too many in a row end the run."""
+    if not skipped:
+        state.consecutive_skips = 0
+        return
+    state.skipped += 1
+    state.consecutive_skips += 1
+    if state.consecutive_skips >= run.cfg.trainer.max_consecutive_skips:
+        run.store.write_status(state="failed", step=state.step, reason="non-finite loss")
+        raise FloatingPointError(
+            f"step {state.step}: the loss was NaN/inf for {state.consecutive_skips} steps in "
+            "a row; lower optim.lr, check the model's dtype, or inspect the rollouts in "
+            f"{run.store.rollouts_dir}"
         )
-        last_val: dict[str, float] = {}
-        for step in bar:
-            timer = StageTimer(device)
-            # all of this step's answer comparisons share one budget (omgrpo.answers)
-            grading = use_grading_budget(
-                GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
-            )
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            problems = batch_for_step(splits.train, step, cfg.trainer.prompts_per_step, cfg.seed)
-            if coreward:  # CoReward samples the paraphrases too; group g's partner is g ± P
-                problems = problems + [_paraphrased(p) for p in problems]
-            G = cfg.rollout.n
 
-            # 2. sample G rollouts per prompt
-            with timer("gen"):
-                policy.eval()
-                seqs = sample(
-                    policy,
-                    [encode(p) for p in problems],
-                    n=G,
-                    max_new_tokens=cfg.rollout.max_new_tokens,
-                    temperature=cfg.rollout.temperature,
-                    top_p=cfg.rollout.top_p,
-                    eos_id=stop_ids,
-                    pad_id=tokenizer.pad_token_id,
-                )
 
-            # 3. answers and answer-token masks
-            texts, answers, answer_mask = extract(tokenizer, seqs)
-            labels = [p.answer for p in problems for _ in range(G)]
-            correct = [
-                None if lab is None else (a is not None and equivalent(a, lab))
-                for a, lab in zip(answers, labels)
-            ]
+def _validating(run: Run) -> bool:
+    return run.cfg.eval.every > 0 and bool(run.val_problems)
 
-            # 3b. CAR: the current policy compares pairs of its own solutions; the short pair
-            # answers only enlarge the soft-vote pool, they are never trained on
-            car = None
-            if cfg.car.enable:
-                with timer("car"):
-                    policy.eval()
-                    car = generate_pair_answers(
-                        policy,
-                        tokenizer,
-                        [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)],
-                        cfg.car,
-                        rng=random.Random(f"{cfg.seed}-car-{step}"),
-                    )
 
-            # 4. old / reference log-probs (and token stats some rewards need); with a single
-            # update per step the old policy is the updated one: the update reuses its forward
-            need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
-            old = {"logprobs": None}
-            if need_stats or not single_update(cfg.algorithm, len(seqs)):
-                with timer("old_logprob"):
-                    old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
-            ref_logprobs = None
-            if ref is not None:
-                with timer("ref_logprob"):
-                    ref_logprobs = score(ref, seqs, cfg.algorithm.micro_batch_size)["logprobs"]
-
-            # 5. rewards, one group per prompt
-            with timer("reward"):
-                groups = make_groups(
-                    problems,
-                    answers,
-                    old if need_stats else None,
-                    answer_mask,
-                    seqs.response_mask,
-                    G,
-                    coreward,
-                    len(tokenizer),
-                    pools=car.answers if car else None,
-                )
-                rewards, parts = compute_rewards(groups, cfg.reward.parts, dict(cfg.reward.weights))
-
-            # 6. advantages (format-only: answer tokens get the format reward's advantage)
-            with timer("adv"):
-                group_ids = torch.arange(len(problems)).repeat_interleave(G)
-                advantages = group_advantages(
-                    torch.tensor(rewards, dtype=torch.float32), group_ids, cfg.algorithm.adv_eps
-                )
-                format_adv = None
-                if cfg.algorithm.format_only:
-                    fmt = torch.tensor([float(a is not None) for a in answers])
-                    format_adv = group_advantages(fmt, group_ids, cfg.algorithm.adv_eps)
-
-            # 7. policy update
-            with timer("update"):
-                policy.train()
-                update = ppo_update(
-                    policy,
-                    optimizer,
-                    seqs,
-                    old["logprobs"],
-                    ref_logprobs,
-                    advantages,
-                    answer_mask,
-                    format_adv,
-                    cfg.algorithm,
-                    cfg.optim.grad_clip,
-                )
-                with warnings.catch_warnings():  # a skipped step has no optimizer.step()
-                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-                    scheduler.step()  # the schedule counts training steps, skipped ones included
-            if update.pop("skipped"):
-                loop["skipped"] += 1
-                loop["consecutive_skips"] += 1
-                if loop["consecutive_skips"] >= cfg.trainer.max_consecutive_skips:
-                    store.write_status(state="failed", step=step, reason="non-finite loss")
-                    raise FloatingPointError(
-                        f"step {step}: the loss was NaN/inf for {loop['consecutive_skips']} steps in "
-                        "a row; lower optim.lr, check the model's dtype, or inspect the rollouts in "
-                        f"{store.rollouts_dir}"
-                    )
-            else:
-                loop["consecutive_skips"] = 0
-
-            # 8. metrics, validation, rollouts, checkpoint
-            metrics = {
-                "train/epoch": (step - 1) // steps_per_epoch,
-                "train/skipped_steps": loop["skipped"],
-                "reward/total": float(rewards.mean()),
-                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-                **answer_diagnostics(groups, _chunks(correct, G)),
-                "answers/confidently_wrong": confidently_wrong(
-                    groups, _chunks(correct, G), cfg.collapse.confident_share
-                ),
-                "answers/label_flip_rate": label_flip_rate(
-                    [p.id for p in problems], majority_answers(groups), loop["last_majority"]
-                ),
-                **(car_metrics(car, answers, correct, problems, G) if car else {}),
-                **update,
-                "lr": scheduler.get_last_lr()[0],
-                "response/length_mean": float(seqs.response_mask.sum(-1).float().mean()),
-                "answers/grading_timeouts": grading.timeouts,
-            }
-            timer.seconds["step"] = sum(timer.seconds.values())
-            metrics.update({f"time/{k}": v for k, v in timer.seconds.items()})
-            metrics["mem/peak_gb"] = _peak_memory_gb(device)
-            metrics["perf/tokens_per_s"] = float(seqs.response_mask.sum()) / timer.seconds["gen"]
-            if (
-                cfg.eval.every > 0
-                and val_problems
-                and (step % cfg.eval.every == 0 or step == total_steps)
-            ):
-                last_val = validate(
-                    policy, tokenizer, encode, val_problems, cfg, step, loop["recovery"]
-                )
-                metrics.update(last_val)
-            collapsed_now = detector.update(step, metrics)
-            if collapsed_now:
-                metrics["collapse/detected_step"] = step
-                tqdm.write(
-                    f"collapse detected at step {step}: "
-                    f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
-                    f"'{metrics['answers/batch_mode']}' in "
-                    f"{metrics['answers/batch_mode_share']:.0%} of the batch"
-                )
-            store.log_metrics(step, metrics)
-            tracker.log_metrics(step, metrics)
-            if step == 1 or step % max(cfg.trainer.log_rollouts_every, 1) == 0:
-                table = rollout_table(
-                    step, problems, G, texts, answers, correct, rewards, parts, advantages
-                )
-                store.log_rollouts(step, table)
-                tracker.log_rollouts(step, table)
-            if step == total_steps or (
-                cfg.trainer.save_every and step % cfg.trainer.save_every == 0
-            ):
-                save_checkpoint(
-                    store.checkpoint_dir(step),
-                    step=step,
-                    model=policy,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    loop_state=loop,
-                    config=config,
-                )
-                store.prune_checkpoints(cfg.trainer.keep_checkpoints)
-            store.write_status(state="running", step=step, total_steps=total_steps, base_model=base)
-            bar.set_postfix(
-                reward=f"{metrics['reward/total']:.2f}",
-                val_acc=f"{last_val.get('val/acc', float('nan')):.3f}",
-                uniq=f"{metrics['answers/unique_per_prompt']:.2f}",
-            )
-            if collapsed_now and cfg.collapse.stop:
-                bar.close()
-                store.write_status(
-                    state="collapsed",
-                    step=step,
-                    total_steps=total_steps,
-                    base_model=base,
-                    collapse_step=step,
-                )
-                return store.dir
-            if stop_after is not None and step >= stop_after:
-                return store.dir  # simulated kill (tests): no "finished" status
-        bar.close()
-        store.write_status(
-            state="finished", step=total_steps, total_steps=total_steps, base_model=base
-        )
-    return store.dir
+def _due(step: int, every: int, total_steps: int) -> bool:
+    """At every `every`-th step (none for 0) and at the last one."""
+    return step == total_steps or (every > 0 and step % every == 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -407,33 +436,9 @@ def check_config(cfg) -> None:
         get_reward(name)
     if cfg.task.name not in TASKS:
         raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
-    if cfg.algorithm.agg not in AGG_MODES:
-        raise ValueError(
-            f"unknown algorithm.agg '{cfg.algorithm.agg}'; valid: {', '.join(AGG_MODES)}"
-        )
-    if cfg.algorithm.answer_weight < 0:
-        raise ValueError("algorithm.answer_weight must be >= 0 (0 = OM-GRPO, 1 = vanilla GRPO)")
+    validate_algorithm(cfg.algorithm, "algorithm")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
-
-
-class PromptEncoder:
-    """Question -> prompt token ids through the model's chat template (paper's template)."""
-
-    def __init__(self, tokenizer, max_len: int):
-        self.tokenizer, self.max_len, self.cache = tokenizer, max_len, {}
-
-    def __call__(self, problem: Problem) -> list[int]:
-        if problem.question not in self.cache:
-            text = render_prompt(self.tokenizer, problem.question)
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) > self.max_len:
-                raise ValueError(
-                    f"problem {problem.id}: prompt has {len(ids)} tokens, more than "
-                    f"rollout.max_prompt_len={self.max_len}"
-                )
-            self.cache[problem.question] = ids
-        return self.cache[problem.question]
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
@@ -448,66 +453,6 @@ def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) ->
     return out
 
 
-def extract(tokenizer, seqs: Sequences) -> tuple[list[str], list[str | None], torch.Tensor]:
-    """Decode each response, extract its boxed answer and the (B, T) answer-token mask."""
-    texts, answers = [], []
-    mask = torch.zeros_like(seqs.response_mask, dtype=torch.bool)
-    for i in range(len(seqs)):
-        n = int(seqs.response_mask[i].sum())
-        ids = seqs.response_ids[i, :n].tolist()
-        row_mask, text = answer_mask_for_ids(tokenizer, ids)
-        mask[i, :n] = row_mask
-        boxed = extract_boxed(text)
-        texts.append(text)
-        answers.append(boxed.content if boxed else None)
-    return texts, answers, mask
-
-
-def car_metrics(car, answers, correct, problems, G) -> dict[str, float]:
-    """CAR's mechanics and top-vote accuracy with / without the pair answers."""
-    per_prompt = _chunks(answers, G)
-    return {
-        **car.diagnostics(per_prompt, _chunks(correct, G)),
-        **top_vote_metrics(per_prompt, car.answers, [p.answer for p in problems]),
-    }
-
-
-def make_groups(
-    problems, answers, stats, answer_mask, response_mask, G, coreward, vocab, pools=None
-):
-    """One RewardGroup per prompt (CoReward pairs prompt g with its paraphrase g ± P; CAR's
-    pair answers, when given, join group g's soft-vote pool)."""
-    per_prompt = _chunks(answers, G)
-    certainty = entropy = None
-    if stats is not None:
-        valid = response_mask.float()
-        certainty = (
-            (stats["self_certainty"] * valid).sum(-1) / valid.sum(-1).clamp(min=1)
-        ).tolist()
-        am = answer_mask.float()
-        ent = (stats["entropy"] * am).sum(-1) / am.sum(-1).clamp(min=1)
-        entropy = [float(e) if am[i].any() else None for i, e in enumerate(ent)]
-    half = len(problems) // 2
-    groups = []
-    for g, problem in enumerate(problems):
-        partner = None
-        if coreward:
-            partner = per_prompt[g + half] if g < half else per_prompt[g - half]
-        sl = slice(g * G, (g + 1) * G)
-        groups.append(
-            make_group(
-                per_prompt[g],
-                label=problem.answer,
-                partner=partner,
-                pool=pools[g] if pools is not None else None,
-                self_certainty=certainty[sl] if certainty else None,
-                answer_entropy=entropy[sl] if entropy else None,
-                max_entropy=math.log(vocab),
-            )
-        )
-    return groups
-
-
 def single_update(algo, batch: int) -> bool:
     """One optimizer step per training step (one PPO epoch, one mini-batch): the old policy's
     log-probs are then the update's own, detached."""
@@ -520,16 +465,15 @@ def ppo_update(
     seqs: Sequences,
     old_logprobs,
     ref_logprobs,
-    advantages,
-    answer_mask,
-    format_adv,
+    batch: StepBatch,
     algo,
     grad_clip: float,
 ) -> dict[str, Any]:
     """PPO epochs over mini-batches; micro-batches accumulate gradients with the mini-batch's
-    token count as the denominator. A non-finite loss or gradient skips the whole step.
-    `old_logprobs` None: the policy's own (only valid for a `single_update`)."""
+    token count as the denominator. A non-finite loss or gradient skips the whole step."""
     B = len(seqs)
+    advantages, answer_mask = batch.advantages, batch.responses.answer_mask
+    format_adv = batch.format_advantages
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
     device = next(policy.parameters()).device
@@ -553,6 +497,7 @@ def ppo_update(
                     part.response_mask,
                     answer_mask[idx].to(device),
                     answer_weight=algo.answer_weight,
+                    answer_kl_weight=algo.answer_kl_weight,
                     format_advantages=None if format_adv is None else format_adv[idx].to(device),
                     clip=algo.clip,
                     kl_coef=algo.kl_coef,
@@ -582,32 +527,20 @@ def ppo_update(
 
 
 @torch.no_grad()
-def validate(
-    policy, tokenizer, encode, problems: list[Problem], cfg, step: int, recovery: dict
-) -> dict:
+def validate(run: Run, step: int, recovery: dict) -> dict:
     """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
     own RNG stream so validating (or not) never changes the training trajectory."""
+    cfg, problems = run.cfg, run.val_problems
     k = cfg.eval.k
-    policy.eval()
+    run.policy.eval()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed * 1_000_003 + step)
-        seqs = sample(
-            policy,
-            [encode(p) for p in problems],
-            n=k,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            temperature=cfg.eval.temperature,
-            top_p=cfg.eval.top_p,
-            eos_id=stop_token_ids(tokenizer, policy),
-            pad_id=tokenizer.pad_token_id,
-            batch_size=cfg.eval.batch_size,
+        seqs = run.sample(
+            problems, k, cfg.eval.temperature, cfg.eval.top_p, batch_size=cfg.eval.batch_size
         )
-    _, answers, _ = extract(tokenizer, seqs)
+    answers = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask).answers
     groups = [make_group(a, label=p.answer) for a, p in zip(_chunks(answers, k), problems)]
-    correct = [
-        [a is not None and p.answer is not None and equivalent(a, p.answer) for a in g.answers]
-        for g, p in zip(groups, problems)
-    ]
+    correct = [[bool(is_correct(a, p.answer)) for a in g.answers] for g, p in zip(groups, problems)]
     return {
         "val/acc": float(np.mean([np.mean(c) for c in correct])),
         f"val/pass@{k}": float(np.mean([any(c) for c in correct])),
@@ -619,20 +552,22 @@ def validate(
     }
 
 
-def rollout_table(step, problems, G, texts, answers, correct, rewards, parts, advantages):
+def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:
+    """The step's rollouts, one row each (the run store's rollouts table)."""
+    prompts = batch.per_rollout(batch.prompts)
     return pd.DataFrame(
         {
             "step": step,
-            "prompt_id": [p.id for p in problems for _ in range(G)],
-            "rollout": [i for _ in problems for i in range(G)],
-            "question": [p.question for p in problems for _ in range(G)],
-            "text": texts,
-            "answer": answers,
-            "label": [p.answer for p in problems for _ in range(G)],
-            "correct": pd.array(correct, dtype="boolean"),
-            "reward": rewards,
-            **{f"reward_{k}": v for k, v in parts.items()},
-            "advantage": advantages.numpy(),
+            "prompt_id": [p.id for p in prompts],
+            "rollout": [i for g in batch.per_group(batch.answers) for i in range(len(g))],
+            "question": [p.question for p in prompts],
+            "text": batch.responses.texts,
+            "answer": batch.answers,
+            "label": [p.answer for p in prompts],
+            "correct": pd.array(batch.correct, dtype="boolean"),
+            "reward": batch.rewards,
+            **{f"reward_{k}": v for k, v in batch.reward_parts.items()},
+            "advantage": batch.advantages.numpy(),
         }
     )
 

@@ -19,6 +19,7 @@ TINY = [
     "model.num_kv_heads=1",
     "model.warm_start.steps=5",
     "model.warm_start.batch_size=8",
+    "model.warm_start.check_problems=0",  # tests/test_toy_worlds.py checks a base on its own
     "task.n_train=32",
     "task.n_val=8",
     "task.n_test=8",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -43,8 +44,8 @@ FIXTURE_RUNS = ["toy__mv__s0", "toy__mv__s1", "toy__om_grpo__s0", "toy__om_grpo_
 
 
 # -- a synthetic frame with every column a figure or table reads -------------------------------
-def synthetic_runs(steps: int = 5) -> pd.DataFrame:
-    """2 variants x 2 seeds x `steps` steps: `om_grpo` (w = 0, CAR on, n = 8, strong toy base)
+def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFrame:
+    """2 variants x `seeds` x `steps` steps: `om_grpo` (w = 0, CAR on, n = 8, strong toy base)
     and `w0.5` (w = 0.5, no CAR, n = 16, weak toy base); both method=om_grpo."""
     variants = {
         "om_grpo": {"w": 0.0, "car": True, "n": 8, "base": 600, "level": 0.5},
@@ -53,7 +54,7 @@ def synthetic_runs(steps: int = 5) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     rows = []
     for variant, v in variants.items():
-        for seed in (0, 1):
+        for seed in seeds:
             for step in range(steps + 1):
                 noise = lambda: float(rng.normal(0, 0.02))  # noqa: E731
                 row = {
@@ -208,7 +209,10 @@ def test_tables(synth):
     assert (main.frame["seeds"] == 2).all()
     final = synth[synth["step"] == 5].groupby("variant")["val/acc"].mean()
     assert main.frame.set_index("variant")["final_mean"].to_dict() == pytest.approx(final.to_dict())
-    assert "| om_grpo |" in main.markdown and " ± " in main.markdown
+    assert "| om_grpo |" in main.markdown
+    for row in main.markdown.splitlines()[2:4]:  # 2 seeds: mean and the seeds' range, no ±
+        assert re.search(r"\| 2 \| \d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\) \|", row), row
+        assert "±" not in row
 
     car = T.car_vs_n_table(synth)
     assert list(car.frame["config"]) == ["OM-GRPO (n=8)", "w/o CAR (n=16)"]
@@ -224,6 +228,82 @@ def test_tables(synth):
     with pytest.raises(MissingRunsError, match=r"rollout\.n=16"):
         T.car_vs_n_table(synth[synth["variant"] == "om_grpo"])
     assert isinstance(T.all_tables(synth)["overhead"], T.Table)
+
+
+# -- honest seed statistics (issue 10) ---------------------------------------------------------
+def _spread(df: pd.DataFrame, metric: str, by_seed: dict[int, float]) -> pd.DataFrame:
+    """`metric` of every row set to a per-seed constant, for bands of a known width."""
+    out = df.copy()
+    mask = out[metric].notna()
+    out.loc[mask, metric] = out.loc[mask, "seed"].map(by_seed)
+    return out
+
+
+def _bands(ax) -> list:
+    return [
+        c
+        for c in ax.collections
+        if type(c).__name__ in ("PolyCollection", "FillBetweenPolyCollection")
+    ]
+
+
+def _legend_texts(ax) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_two_seeds_draw_each_seed_not_a_t_band():
+    df = _spread(synthetic_runs(seeds=(0, 1)), "val/acc", {0: 0.1, 1: 0.9})
+    df = _spread(df, "answers/unique_per_batch", {0: 0.0, 1: 1.0})
+    acc, unique = F.draw_training_dynamics(df).axes
+    # before: a 95% t-band (t = 12.7) from -4.6 to 5.6 around 0.5, y-limits unclipped
+    assert not _bands(acc) and not _bands(unique)
+    assert len(acc.lines) == 2 * 3  # per variant: the mean and one thin line per seed
+    assert sorted({round(float(y), 6) for line in acc.lines for y in line.get_ydata()}) == [
+        0.1,
+        0.5,
+        0.9,
+    ]
+    assert all(t.endswith("(mean of n=2; thin lines: seeds)") for t in _legend_texts(acc))
+    lo, hi = acc.get_ylim()
+    assert 0.0 <= lo < 0.1 and 0.9 < hi <= 1.0
+    assert unique.get_ylim()[0] >= 0.0  # a count never goes below 0
+
+
+def test_three_seeds_band_is_labelled_and_clipped_to_the_range():
+    df = _spread(synthetic_runs(seeds=(0, 1, 2)), "val/acc", {0: 0.7, 1: 0.95, 2: 1.0})
+    acc = F.draw_training_dynamics(df).axes[0]
+    (band, _) = _bands(acc)  # one per variant
+    ys = band.get_paths()[0].vertices[:, 1]
+    # mean 0.883, 95% CI ± 0.401 (t = 4.30): the band would reach 1.28, clipped to 1
+    std = float(np.std([0.7, 0.95, 1.0], ddof=1))
+    assert 0.8833 - 4.302653 * std / math.sqrt(3) == pytest.approx(ys.min(), abs=1e-3)
+    assert ys.max() == pytest.approx(1.0)
+    assert all(t.endswith("(mean ± 95% CI, n=3)") for t in _legend_texts(acc))
+    assert acc.get_ylim()[1] <= 1.0 and acc.get_ylim()[0] >= 0.0
+
+
+def test_metric_ranges():
+    assert F.metric_range("val/acc") == (0.0, 1.0)
+    assert F.metric_range("val/pass@4") == (0.0, 1.0)
+    assert F.metric_range("answers/batch_mode_share") == (0.0, 1.0)
+    assert F.metric_range("answers/unique_per_batch") == (0.0, math.inf)
+    assert F.metric_range("kl/answer") == (0.0, math.inf)
+    assert F.metric_range("reward/total") == (-math.inf, math.inf)
+
+
+def test_tables_print_n_and_a_ci_only_from_three_seeds():
+    two = synthetic_runs(seeds=(0, 1))
+    two = two.assign(**{"val/acc": two["seed"].map({0: 0.0, 1: 0.25})})
+    main = T.main_table(two)
+    # before: "12.50 ± 158.83" (a 2-seed t-interval, t = 12.7)
+    assert "| 2 | 12.50 (0.00–25.00) | 12.50 (0.00–25.00) |" in main.markdown
+    assert "with 2 seeds the mean and, in parentheses, the range" in main.markdown
+    three = synthetic_runs(seeds=(0, 1, 2))
+    three = three.assign(**{"val/acc": three["seed"].map({0: 0.0, 1: 0.25, 2: 0.5})})
+    # mean 25, std 25, t(2) = 4.303: 25 ± 62.10 (the CI is as wide as 3 seeds make it)
+    assert "| 3 | 25.00 ± 62.10 | 25.00 ± 62.10 |" in T.main_table(three).markdown
+    over = T.overhead_table(two)
+    assert "om_grpo (n=2)" in over.markdown and "w0.5 (n=2)" in over.markdown
 
 
 # -- loading -----------------------------------------------------------------------------------

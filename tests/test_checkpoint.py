@@ -84,22 +84,24 @@ def test_only_settings_that_change_training_block_a_resume():
 
 def test_an_exception_marks_the_run_failed_but_a_refusal_does_not(tmp_path):
     store = RunStore(tmp_path)
-    store.write_status(state="running", step=3, total_steps=10)
     with pytest.raises(KeyError), store.recording_failures():
+        store.write_status(state="running", step=3, total_steps=10)
         raise KeyError("answer")
     status = store.read_status()
     assert status["state"] == "failed" and status["step"] == 3
     assert status["error"]["type"] == "KeyError" and status["error"]["message"] == "'answer'"
     assert status["error"]["step"] == 3 and "KeyError" in status["error"]["traceback"][-1]
 
-    # A run killed by another process (status `running`, another pid) that refuses to resume
-    # keeps its status: it is still resumable.
-    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 3, "pid": -1}))
+    # A killed run (status `running`, written by an earlier attempt, even in this process)
+    # whose resume is refused keeps its status: it is still resumable.
+    with store.recording_failures():
+        store.write_status(state="running", step=3)
+    before = store.read_status()
     with pytest.raises(ValueError), store.recording_failures():
         raise ValueError("refusing to resume")
-    assert store.read_status() == {"state": "running", "step": 3, "pid": -1}
+    assert store.read_status() == before
 
-    store.write_status(state="running", step=4)
     with pytest.raises(KeyboardInterrupt), store.recording_failures():
+        store.write_status(state="running", step=4)
         raise KeyboardInterrupt
     assert store.read_status()["state"] == "killed"

@@ -32,6 +32,7 @@ EXPECTED = {
     "om_grpo_no_car_n8": (SV, 0.0, False, False, 8),
     "om_grpo_no_car_n16": (SV, 0.0, False, False, 16),
     "om_grpo_no_car_n64": (SV, 0.0, False, False, 64),
+    "om_grpo_kl_anchor": (SV, 0.0, False, False, 8),
 }
 
 
@@ -79,6 +80,7 @@ def test_every_method_composes_at_every_scale(method, experiment):
     assert cfg.algorithm.format_only is format_only
     assert cfg.car.enable is car
     assert cfg.rollout.n == n  # method presets win over the scale's G
+    assert cfg.algorithm.answer_kl_weight == (1.0 if method == "om_grpo_kl_anchor" else None)
 
 
 @pytest.mark.parametrize("experiment", PAPER)

@@ -20,7 +20,7 @@ import wandb_records  # tests/ is on sys.path (pytest's rootdir conftest)
 import yaml
 from mlflow.tracking import MlflowClient
 
-from omgrpo import trainer as trainer_module
+from omgrpo import step as step_module  # where the step computes its rewards
 from omgrpo.config import compose
 from omgrpo.store import RunStore
 from omgrpo.sweep import main as sweep_main
@@ -162,7 +162,7 @@ def test_exception_marks_failed_and_sweep_skips_it_unless_retry_failed(
     tiny_overrides, tmp_path, monkeypatch, capsys
 ):
     overrides = [*tiny_overrides, "trainer.steps=3", "trainer.save_every=1", "run.name=boom"]
-    real, calls = trainer_module.compute_rewards, []
+    real, calls = step_module.compute_rewards, []
 
     def flaky(*args, **kwargs):
         calls.append(1)
@@ -170,7 +170,7 @@ def test_exception_marks_failed_and_sweep_skips_it_unless_retry_failed(
             raise RuntimeError("reward server unreachable")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "compute_rewards", flaky)
+    monkeypatch.setattr(step_module, "compute_rewards", flaky)
     with pytest.raises(RuntimeError, match="reward server unreachable"):
         train(compose(overrides))
     monkeypatch.undo()

@@ -146,18 +146,18 @@ def test_file_dataset_rows_are_validated(tmp_path):
     bad.write_text(
         json.dumps({"question": "q", "answer": "1"}) + "\n" + json.dumps({"q": 1}) + "\n"
     )
-    with pytest.raises(ValueError, match=r"bad\.jsonl, row 1: missing or empty 'question'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: missing 'question'"):
         load_problems(bad)
 
     noanswer = tmp_path / "noanswer.jsonl"
     noanswer.write_text(json.dumps({"question": "q"}) + "\n")
-    with pytest.raises(ValueError, match=r"noanswer\.jsonl, row 0: missing 'answer'"):
+    with pytest.raises(ValueError, match=r"noanswer\.jsonl, line 1: missing 'answer'"):
         load_problems(noanswer)
     assert load_problems(noanswer, require_answer=False)[0].answer is None
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"question": "q", "answer": 1}\n{not json\n')
-    with pytest.raises(ValueError, match=r"broken\.jsonl, row 1: invalid JSON"):
+    with pytest.raises(ValueError, match=r"broken\.jsonl, line 2: invalid JSON"):
         load_problems(broken)
 
 

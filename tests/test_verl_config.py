@@ -108,8 +108,16 @@ def test_method_presets_land_in_the_omgrpo_section():
 def test_unsupported_or_bad_values_fail_with_the_key():
     with pytest.raises(ValueError, match=r"omgrpo\.reward\.parts.*self_certainty"):
         compose_verl("paper_qwen3_1p7b", ["method=self_certainty"])
-    with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.answer_weight"):
-        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.answer_weight=1.5"])
+    # one range for w on both backends (omgrpo.config.validate_algorithm): w >= 0
+    with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.answer_weight must be >= 0"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.answer_weight=-0.5"])
+    cfg = compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.answer_weight=1.5"])
+    assert cfg.omgrpo.algorithm.answer_weight == 1.5  # as the native trainer accepts
+    with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.agg 'mean'"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.agg=mean"])
+    # an algorithm key verl holds in its own actor config would be ignored: say where it is
+    with pytest.raises(ValueError, match=r"kl_coef=0.1 .*actor_rollout_ref\.actor\.kl_loss_coef"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.kl_coef=0.1"])
     with pytest.raises(ValueError, match=r"trainer\.v1\.trainer_mode"):
         compose_verl("paper_qwen3_1p7b", ["trainer.v1.trainer_mode=sync"])
     with pytest.raises(FileNotFoundError, match="paper_qwen3_1p7b"):
@@ -211,6 +219,10 @@ def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     loss_fn = trainer.make_loss_fn()
     assert loss_fn.func is omgrpo_ppo_loss and loss_fn.keywords["answer_weight"] == 0.25
     assert loss_fn.keywords["config"].kl_loss_coef == 0.005
+    # a separate KL weight on answer tokens reaches the loss; the PG weight w stays 0.25
+    anchored = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "method=om_grpo_kl_anchor"])
+    assert anchored.omgrpo.algorithm.answer_weight == 0.0
+    assert OmgrpoTrainer(anchored).make_loss_fn().keywords["answer_weight"] == 1.0
 
 
 def test_math_verify_switch_reaches_driver_and_reward_workers(monkeypatch):

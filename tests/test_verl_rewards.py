@@ -17,23 +17,33 @@ except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to g
 
 import asyncio
 import logging
+import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
+from verl import DataProto
 from verl.experimental.agent_loop import AgentLoopOutput
 from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
+from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.workers.rollout.replica import TokenOutput
 
 from omgrpo import answers
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl import agent_loop as al
+from omgrpo.backends.verl.advantage import apply_answer_weighting
 from omgrpo.backends.verl.config import OmgrpoVerlConfig
 from omgrpo.backends.verl.metrics import step_metrics
-from omgrpo.backends.verl.reward import NO_ANSWER, compute_score, score_group
-from omgrpo.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO
+from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
+from omgrpo.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult
+from omgrpo.config import compose
+from omgrpo.losses import answer_token_advantages
 from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.step import LoopState, extract_answer, score_step
+from omgrpo.step import step_metrics as native_step_metrics
+from omgrpo.tasks import Problem
 
 PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 RESPONSES = ["2+2=4 so \\boxed{4}", "two and two: \\boxed{4}", "I think \\boxed{5}"]
@@ -67,20 +77,23 @@ def test_compute_score_applies_math_verify_switch(monkeypatch):
     assert answers._MATH_VERIFY_ENABLED is False
 
 
-def test_score_group_soft_vote_with_pool_and_answer_masks(tok):
-    responses = [ids(tok, r) for r in RESPONSES] + [ids(tok, "no answer")]
-    scores = score_group(tok, responses, "4", ["soft_vote", "format"], pool=["5", "4", None])
-    # voters: 4, 4, 5 (rollouts) + 5, 4 (pool; None casts no vote) -> "4": 3/5, "5": 2/5
-    assert scores.parts["soft_vote"] == pytest.approx([0.6, 0.6, 0.4, 0.0])
-    assert scores.parts["format"] == [1.0, 1.0, 1.0, 0.0]
-    assert scores.rewards == pytest.approx([1.6, 1.6, 1.4, 0.0])
-    assert scores.answers == ["4", "4", "5", None]
-    assert scores.correct == [True, True, False, False]
-    for text, mask, response in zip(RESPONSES, scores.answer_masks, responses):
-        assert mask.dtype == torch.int64 and mask.shape == (len(response),)
+def test_agent_loop_soft_vote_and_answer_masks(tok, monkeypatch):
+    worker, handed = make_worker(tok, monkeypatch, car=False)
+    texts = [*RESPONSES, "no answer"]
+    outs = asyncio.run(run_group(worker, tok, texts))
+    # voters: 4, 4, 5 (None casts no vote) -> "4": 2/3, "5": 1/3
+    records = [o.extra_fields[RECORD_KEY] for o in outs]
+    assert [r["rewards"]["soft_vote"] for r in records] == pytest.approx([2 / 3, 2 / 3, 1 / 3, 0])
+    assert [r["rewards"]["format"] for r in records] == [1.0, 1.0, 1.0, 0.0]
+    assert [o.reward_score for o in outs] == pytest.approx([5 / 3, 5 / 3, 4 / 3, 0.0])
+    assert [r["answer"] for r in records] == ["4", "4", "5", None]
+    assert [r["correct"] for r in records] == [True, True, False, False]
+    for k, (text, out) in enumerate(zip(texts, outs)):
+        mask = handed[k][1][ANSWER_MASK_KEY]
+        assert mask.dtype == torch.int64 and mask.shape == (len(out.response_ids),)
         # one token per character: only the answer inside \boxed{...} is marked
-        assert mask.nonzero().flatten().tolist() == [text.rindex("{") + 1]
-    assert scores.answer_masks[3].sum() == 0
+        expected = [text.rindex("{") + 1] if "{" in text else []
+        assert mask.nonzero().flatten().tolist() == expected
 
 
 def test_car_prompt_ids_paper_template_and_budget(tok):
@@ -237,7 +250,7 @@ def test_agent_loop_without_car_and_metrics(tok, monkeypatch):
         [o.extra_fields[RECORD_KEY] for o in outs],
         [o.reward_score for o in outs],
         confident_share=0.75,
-        last_majority={},
+        state=LoopState(),
     )
     assert m["answers/unique_per_prompt"] == 2 and m["acc/train"] == pytest.approx(2 / 3)
     assert m["reward/soft_vote"] == pytest.approx(5 / 9) and m["reward/format"] == 1.0
@@ -248,13 +261,13 @@ def test_step_metrics_with_car_records(tok, monkeypatch):
     worker, _ = make_worker(tok, monkeypatch)
     outs = asyncio.run(run_group(worker, tok, RESPONSES))
     outs += asyncio.run(run_group(worker, tok, ["\\boxed{9}", "\\boxed{9}", "x"], uid="u1"))
-    last = {}
+    state = LoopState()
     m = step_metrics(
         ["u0"] * 3 + ["u1"] * 3,
         [o.extra_fields[RECORD_KEY] for o in outs],
         [o.reward_score for o in outs],
         confident_share=0.6,
-        last_majority=last,
+        state=state,
     )
     assert m["car/num_pairs"] == 12 and m["car/pool_size"] == pytest.approx(9.0)
     assert m["car/position_bias"] == 0.0  # the fake always picks solution 2
@@ -262,7 +275,7 @@ def test_step_metrics_with_car_records(tok, monkeypatch):
     assert m["answers/confidently_wrong"] == 0.5  # group u1: "9" holds 2/3 >= 0.6, wrong
     assert m["car/seconds"] >= 0 and m["car/span_s"] >= 0
     # Both groups carry prompt id toy/7: the second visit flips the majority from 4 to 9.
-    assert m["answers/label_flip_rate"] == 1.0 and last == {"toy/7": "9"}
+    assert m["answers/label_flip_rate"] == 1.0 and state.last_majority == {"toy/7": "9"}
 
 
 def test_a_failed_session_releases_its_group():
@@ -315,3 +328,93 @@ def test_missing_extra_info_index_warns_once_and_hashes_the_prompt(tok, monkeypa
     assert sum("extra_info.index" in r.getMessage() for r in caplog.records) == 1
     pid = outs[0].extra_fields[RECORD_KEY]["prompt_id"]
     assert pid.startswith("toy/prompt-") and pid != "toy/0"
+
+
+GROUPS = {"u0": RESPONSES, "u1": ["\\boxed{9}", "so \\boxed{4}", "x"]}
+
+
+@pytest.mark.parametrize(("car", "format_only"), [(False, False), (True, True)])
+def test_verl_and_native_score_the_same_groups_identically(tok, monkeypatch, car, format_only):
+    """The same rollouts through verl's agent loop, GRPO estimator, answer weighting and driver
+    metrics, and through the native trainer's score_step / losses / step_metrics."""
+    w = 0.25
+    worker, handed = make_worker(tok, monkeypatch, car=car)
+    worker.omgrpo.algorithm.answer_weight, worker.omgrpo.algorithm.format_only = w, format_only
+    outs, masks, fmts, uids = [], [], [], []
+    for index, (uid, texts) in enumerate(GROUPS.items()):
+        outs += asyncio.run(run_group(worker, tok, texts, uid=uid, index=index))
+        masks += [handed[k][1][ANSWER_MASK_KEY] for k in range(len(texts))]
+        fmts += [handed[k][1][FORMAT_SCORE_KEY] for k in range(len(texts))]
+        uids += [uid] * len(texts)
+
+    # native: the whole step at once; CAR's pair answers are what the fake servers answer
+    problems = [Problem(id=f"toy/{i}", question="", answer="4") for i in range(len(GROUPS))]
+    responses = [torch.tensor(o.response_ids) for o in outs]
+    ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
+    pool = None
+    if car:
+        pairs = [[(i, j) for i in range(3) for j in range(3) if j != i] for _ in GROUPS]
+        pool = CarResult(
+            pairs=pairs,
+            answers=[
+                [extract_answer(t[j]) or "7" for _, j in p] for t, p in zip(GROUPS.values(), pairs)
+            ],
+            num_pairs=sum(len(p) for p in pairs),
+        )
+    method = "om_grpo_format_only" if format_only else "om_grpo_no_car"
+    cfg = compose([f"method={method}", f"algorithm.answer_weight={w}"])
+    native = score_step(tok, ids, mask, problems, cfg, car=pool)
+
+    # rewards, reward parts, answers, answer-token masks
+    records = [o.extra_fields[RECORD_KEY] for o in outs]
+    assert [o.reward_score for o in outs] == native.rewards.tolist()
+    for part, values in native.reward_parts.items():
+        assert [r["rewards"][part] for r in records] == values.tolist()
+    assert [r["answer"] for r in records] == native.answers
+    assert [r["correct"] for r in records] == native.correct
+    for k, m in enumerate(masks):
+        assert m.tolist() == native.responses.answer_mask[k, : len(m)].long().tolist()
+
+    # advantages: verl's GRPO estimator (reward on the last token) + omgrpo's answer weighting
+    lengths = torch.tensor([len(r) for r in responses])
+    scores = torch.zeros(ids.shape)
+    scores[torch.arange(len(outs)), lengths - 1] = torch.tensor([o.reward_score for o in outs])
+    adv, _ = compute_grpo_outcome_advantage(scores, mask, np.array(uids, dtype=object))
+    data = DataProto.from_dict(
+        {
+            "advantages": adv,
+            "response_mask": mask,
+            ANSWER_MASK_KEY: torch.nn.utils.rnn.pad_sequence(masks, batch_first=True),
+            FORMAT_SCORE_KEY: torch.stack(fmts),
+        },
+        non_tensors={"uid": np.array(uids, dtype=object)},
+    )
+    verl_tokens = apply_answer_weighting(data, w, format_only).batch["advantages"]
+    native_tokens = (
+        answer_token_advantages(
+            native.advantages.unsqueeze(-1),
+            native.responses.answer_mask,
+            w,
+            native.format_advantages,
+        )
+        * mask
+    )
+    torch.testing.assert_close(verl_tokens, native_tokens)
+    assert native_tokens.abs().sum() > 0
+
+    # metrics: the driver's from the records, the native trainer's from its batch
+    verl_m = step_metrics(
+        uids, records, [o.reward_score for o in outs], confident_share=0.6, state=LoopState()
+    )
+    native_m = native_step_metrics(native, LoopState(), 0.6)
+    assert set(native_m) - set(verl_m) == {"answers/batch_mode", "response/length_mean"}
+    # verl-only: CAR's wall clock, and grading timeouts summed over per-group budgets (the
+    # native trainer adds its per-step budget's count in train_step)
+    verl_only = {"answers/grading_timeouts"} | ({"car/seconds", "car/span_s"} if car else set())
+    assert set(verl_m) - set(native_m) == verl_only
+    assert verl_m["answers/grading_timeouts"] == 0
+    for key in set(verl_m) & set(native_m):
+        a, b = verl_m[key], native_m[key]
+        assert a == b or (math.isnan(a) and math.isnan(b)), key
+    assert any(k.startswith("car/") for k in native_m) == car

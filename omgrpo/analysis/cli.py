@@ -1,6 +1,7 @@
-"""`omgrpo figures RUNS... --out DIR` and `omgrpo report RUNS... --out reports/<name>/`.
+"""`omgrpo figures RUNS... --out DIR`, `omgrpo report RUNS... --out reports/<name>/` and
+`omgrpo tables RUNS_OR_EVALS... --out DIR`.
 
-Both return an exit status: 0 on success, 2 on bad input (no such path, no run in it, unknown
+All return an exit status: 0 on success, 2 on bad input (no such path, no run in it, unknown
 figure name, unreadable tracker), with the reason on stderr.
 """
 
@@ -102,4 +103,30 @@ def report_main(argv: list[str]) -> int:
     except (FileNotFoundError, NoRunsError, ValueError) as e:
         return _fail(prog, str(e))
     print(f"report: {path}  (figures in {path.parent / 'figures'}/)")
+    return 0
+
+
+def tables_main(argv: list[str]) -> int:
+    from omgrpo.analysis.paper_tables import write_tables
+
+    prog = "omgrpo tables"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="The paper's tables (main avg@k, pass@k, TTT, ablations, CAR vs n) as "
+        "markdown and LaTeX from `omgrpo eval` summaries: mean ± 95%% CI over seeds.",
+    )
+    parser.add_argument("sources", nargs="+", help="run dirs, eval dirs, or folders of them")
+    parser.add_argument("--out", required=True, help="output folder (tables.md, *.md, *.tex)")
+    parser.add_argument(
+        "--checkpoint", default="last", help="which evaluations: last (default), best, step_N"
+    )
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    try:
+        path = write_tables(ns.sources, ns.out, ns.checkpoint)
+    except (FileNotFoundError, ValueError) as e:
+        return _fail(prog, str(e))
+    print(path.read_text())
+    print(f"tables: {path} (+ .md / .tex per table in {path.parent}/)")
     return 0

@@ -5,9 +5,13 @@ Each `name(df, out_dir, *, rollouts=None) -> [png, pdf]` draws from the runs it 
 matplotlib Figure instead (notebooks display it inline). When the runs needed are not in `df`,
 both raise `MissingRunsError` saying which `omgrpo train` presets produce them.
 
-Curves are means over seeds (runs of the same experiment and variant) with a 95% t-interval
-band where there are several seeds; per-step training metrics of long runs are smoothed with a
-trailing rolling mean (the axis label says over how many steps), validation metrics never.
+Curves are means over seeds (runs of the same experiment and variant). With 3 or more seeds a
+band shows the 95% Student-t interval of the mean (legend: "mean ± 95% CI, n=3"); with 2 seeds a
+t-interval is meaningless (t = 12.7), so thin lines show each seed instead (legend: "mean of
+n=2; thin lines: seeds"). Bands and y-limits are clipped to the metric's range (`metric_range`:
+accuracies and shares in [0, 1], counts, KL, entropies and times >= 0). Per-step training
+metrics of long runs are smoothed with a trailing rolling mean (the axis label says over how
+many steps), validation metrics never.
 Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas: no pyplot state, safe
 in scripts, tests and notebooks.
 """
@@ -15,6 +19,7 @@ in scripts, tests and notebooks.
 from __future__ import annotations
 
 import math
+import re
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +43,7 @@ __all__ = [
     "car_top_vote",
     "failure_recovery",
     "kl_answer_reasoning",
+    "metric_range",
     "rollout_bias",
     "ten_epoch_dynamics",
     "training_dynamics",
@@ -100,6 +106,32 @@ _PALETTE = ("#ff7f0e", "#17becf", "#bcbd22", "#e377c2", "#7f7f7f", "#aec7e8", "#
 
 
 # -- helpers -----------------------------------------------------------------------------------
+MIN_SEEDS_FOR_CI = 3
+"""Fewer seeds draw each seed instead of a t-band (a 2-seed 95% interval uses t = 12.7)."""
+
+_UNIT_INTERVAL = re.compile(
+    r"(val/(acc|pass@\w+|extract_rate)|acc/.+|recovery/cum_(pass|avg)|rollout/top_answer_share"
+    r"|answers/(batch_mode_share|extract_rate|top_vote_acc|confidently_wrong|label_flip_rate)"
+    r"|car/(position_bias|select_correct|incorrect_pair_first|top_vote_acc_without_car|unclosed)"
+    r"|clip/frac|answer/frac)"
+)
+_NON_NEGATIVE = re.compile(
+    r"(answers/(unique_.+|vote_entropy)|val/unique_answers|kl/.+|loss/kl|entropy/.+"
+    r"|car/(anchor_entropy_.+|pool_size|truncated|num_pairs)|recovery/zero_pass_prompts"
+    r"|time/.+|mem/.+|perf/.+|response/.+|grad/norm|lr|train/.+)"
+)
+
+
+def metric_range(metric: str) -> tuple[float, float]:
+    """The values `metric` can take: (0, 1) for accuracies and shares, (0, inf) for counts,
+    KL, entropies and times, (-inf, inf) otherwise (rewards, losses, advantages)."""
+    if _UNIT_INTERVAL.fullmatch(metric):
+        return 0.0, 1.0
+    if _NON_NEGATIVE.fullmatch(metric):
+        return 0.0, math.inf
+    return -math.inf, math.inf
+
+
 def _numeric(df: pd.DataFrame, metric: str) -> pd.Series:
     return pd.to_numeric(df[metric], errors="coerce") if metric in df else pd.Series(dtype=float)
 
@@ -182,12 +214,14 @@ def _curves(
     labels: Sequence[str] | None = None,
     ylabel: str | None = None,
 ) -> int:
-    """Mean ± 95% CI over seeds of `metric` per curve; returns the number of curves drawn."""
+    """The mean over seeds of `metric` per curve, with a 95% CI band (n >= 3 seeds) or each
+    seed's line (n = 2), clipped to `metric_range`; returns the number of curves drawn."""
     data = df.copy()
     data[metric] = _numeric(data, metric) * scale
     data = data.dropna(subset=[metric])
     if data.empty:
         return 0
+    lo, hi = metric_range(metric)
     agg = aggregate_seeds(data, metric, by=("curve", "step"))
     drawn, window = 0, 1
     for label in labels or _order(agg["curve"].unique(), data):
@@ -195,18 +229,34 @@ def _curves(
         if g.empty:
             continue
         window = _window(metric, len(g))
-        mean = g["mean"].rolling(window, min_periods=1).mean().to_numpy(dtype=float)
-        ci = g["ci95"].rolling(window, min_periods=1).mean().to_numpy(dtype=float)
+
+        def smooth(values: pd.Series, window=window) -> np.ndarray:
+            return values.rolling(window, min_periods=1).mean().to_numpy(dtype=float)
+
+        mean = smooth(g["mean"])
+        ci = smooth(g["ci95"].where(g["n"] >= MIN_SEEDS_FOR_CI))
         x = g["step"].to_numpy(dtype=float)
         n = int(g["n"].max())
-        name = f"{label}{suffix}" + (f" (n={n})" if n > 1 else "")
         color = colors.get(label)
         marker = "o" if len(g) <= 12 else None
+        name = label + suffix + _seeds_note(n)
         ax.plot(x, mean, linestyle=linestyle, color=color, label=name, marker=marker, ms=3)
-        if np.isfinite(ci).any():
-            ax.fill_between(x, mean - ci, mean + ci, color=color, alpha=0.18, linewidth=0)
+        if n >= MIN_SEEDS_FOR_CI and np.isfinite(ci).any():
+            band = np.clip(mean - ci, lo, hi), np.clip(mean + ci, lo, hi)
+            ax.fill_between(x, *band, color=color, alpha=0.18, linewidth=0)
+        elif n > 1:
+            for _, seed in data[data["curve"] == label].groupby("run"):
+                seed = seed.sort_values("step")
+                ax.plot(
+                    seed["step"].to_numpy(dtype=float),
+                    smooth(seed[metric]),
+                    linestyle=linestyle,
+                    color=color,
+                    linewidth=0.7,
+                    alpha=0.45,
+                )
         drawn += 1
-    _fit_ylim(ax, data[metric].to_numpy(dtype=float), agg["mean"].to_numpy(dtype=float))
+    _fit_ylim(ax, (lo, hi), data[metric].to_numpy(dtype=float), agg["mean"].to_numpy(dtype=float))
     text = ylabel or metric
     if window > 1:
         text += f"\n(rolling mean, {window} steps)"
@@ -217,13 +267,23 @@ def _curves(
     return drawn
 
 
+def _seeds_note(n: int) -> str:
+    """What a curve shows, for its legend entry."""
+    if n >= MIN_SEEDS_FOR_CI:
+        return f" (mean ± 95% CI, n={n})"
+    if n == 2:
+        return " (mean of n=2; thin lines: seeds)"
+    return ""
+
+
 _YRANGE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fit_ylim(ax: Axes, *values: np.ndarray) -> None:
+def _fit_ylim(ax: Axes, bounds: tuple[float, float], *values: np.ndarray) -> None:
     """Y limits from the seeds' values and the means (union over the curves of this axes), not
-    from the CI bands: with 2-3 seeds a 95% t-interval is wide and would flatten the curves;
-    the band then runs off the axes, which is what it should show."""
+    from the CI bands: with 3 seeds a 95% t-interval is wide and would flatten the curves; the
+    band then runs off the axes, which is what it should show. Never beyond `bounds` (the
+    metric's range), so an accuracy axis never shows values below 0 or above 1."""
     finite = np.concatenate([v[np.isfinite(v)] for v in values])
     if not finite.size:
         return
@@ -231,7 +291,7 @@ def _fit_ylim(ax: Axes, *values: np.ndarray) -> None:
     lo, hi = min(lo, float(finite.min())), max(hi, float(finite.max()))
     _YRANGE[ax] = (lo, hi)
     pad = 0.08 * (hi - lo) if hi > lo else max(0.05 * abs(hi), 0.05)
-    ax.set_ylim(lo - pad, hi + pad)
+    ax.set_ylim(max(lo - pad, bounds[0]), min(hi + pad, bounds[1]))
 
 
 def _same_ylim(axes: Sequence[Axes]) -> None:
@@ -295,8 +355,9 @@ def _car_on(df: pd.DataFrame) -> pd.Series:
 # -- the figures -------------------------------------------------------------------------------
 def draw_training_dynamics(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
     """Paper Fig. 1: validation accuracy over steps (one row per base model) and distinct
-    answers per batch; every variant, mean ± 95% CI over seeds. Majority voting's answers
-    per batch fall towards 1 as it collapses; OM-GRPO keeps them near GT-Reward's."""
+    answers per batch; every variant, mean over seeds (bands: see the module doc). Majority
+    voting's answers per batch fall towards 1 as it collapses; OM-GRPO keeps them near
+    GT-Reward's."""
     _need(df, "training dynamics", ["val/acc", "answers/unique_per_batch"], HINT_METHODS)
     df = _with_labels(df)
     colors = _colors(df)

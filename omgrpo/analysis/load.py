@@ -454,9 +454,10 @@ def t_critical(dof: int, confidence: float = 0.95) -> float:
 def aggregate_seeds(
     df: pd.DataFrame, metric: str, by: Sequence[str] = ("experiment", "variant", "step")
 ) -> pd.DataFrame:
-    """Mean, std (ddof 1), n and 95% CI half-width (`ci95`, Student t) of `metric` over the
-    rows of each `by` group (by default: over seeds, per experiment, variant and step). Rows
-    where the metric is NaN are left out; n = 1 gives std and ci95 NaN."""
+    """Mean, std (ddof 1), n, min, max and 95% CI half-width (`ci95`, Student t) of `metric`
+    over the rows of each `by` group (by default: over seeds, per experiment, variant and step).
+    Rows where the metric is NaN are left out; n = 1 gives std and ci95 NaN. Figures and tables
+    show ci95 only from 3 seeds on (`omgrpo.analysis.figures.MIN_SEEDS_FOR_CI`)."""
     by = list(by)
     missing = [c for c in [*by, metric] if c not in df.columns]
     if missing:
@@ -465,10 +466,10 @@ def aggregate_seeds(
     data[metric] = pd.to_numeric(data[metric], errors="coerce")
     data = data.dropna(subset=[metric])
     if data.empty:
-        return pd.DataFrame(columns=[*by, "mean", "std", "n", "ci95"])
+        return pd.DataFrame(columns=[*by, "mean", "std", "n", "min", "max", "ci95"])
     out = (
         data.groupby(by, sort=True, dropna=False)[metric]
-        .agg(mean="mean", std="std", n="count")
+        .agg(mean="mean", std="std", n="count", min="min", max="max")
         .reset_index()
     )
     out["n"] = out["n"].astype("int64")

@@ -1,6 +1,7 @@
 """`write_report(run_dirs, out_dir)`: one markdown report of a set of runs.
 
 out_dir/report.md      title, per-run table with a collapse verdict, the tables, the
+                       benchmark tables when the runs have `omgrpo eval` summaries, the
                        figures that could be drawn (and why the others could not), and
                        every run's resolved config (collapsed)
 out_dir/figures/       the figures, PNG + PDF
@@ -28,12 +29,19 @@ from omgrpo.analysis.load import (
     read_status,
     verdict,
 )
+from omgrpo.analysis.paper_tables import eval_tables_section
 from omgrpo.analysis.tables import (
     TABLE_TITLES,
     Table,
     all_tables,
     markdown_table,
     run_summary,
+)
+
+FIGURE_CAPTION = (
+    "Curves are means over seeds (the legend gives n). With n ≥ 3 the band is the 95% CI of "
+    "the mean (Student t); with n = 2 thin lines show each seed instead; bands and axes stay "
+    "within each metric's range (accuracies and shares in [0, 1], counts ≥ 0)."
 )
 
 
@@ -114,8 +122,11 @@ def write_report(
         else:
             lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
 
+    # -- benchmark evaluations (omgrpo eval), when there are any -------------------------
+    lines += eval_tables_section(sources)
+
     # -- figures -------------------------------------------------------------------------
-    lines += ["## Figures", ""]
+    lines += ["## Figures", "", FIGURE_CAPTION, ""]
     missing = {}
     for name, result in figures.items():
         if isinstance(result, str):

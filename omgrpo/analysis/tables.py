@@ -1,8 +1,8 @@
 """The paper's tables from a `load_runs` frame: each function returns a `Table` (a DataFrame
 `frame` with the numbers, and `markdown` for reports; notebooks render it as markdown).
 
-- `main_table`: final and peak validation accuracy per variant, mean ± 95% CI over seeds
-  (the main results and ablation tables).
+- `main_table`: final and peak validation accuracy per variant over seeds (the main results
+  and ablation tables): mean ± 95% CI with >= 3 seeds, mean (min–max) with 2 (`SEEDS_NOTE`).
 - `car_vs_n_table`: OM-GRPO with CAR vs direct sampling with n = 8 / 16 / 64 rollouts:
   accuracy, time per step and total time.
 - `overhead_table`: mean seconds per step of every stage (`time/<stage>`) and peak memory
@@ -24,6 +24,7 @@ import pandas as pd
 from omgrpo.analysis.figures import (
     HINT_METHODS,
     HINT_N,
+    MIN_SEEDS_FOR_CI,
     MissingRunsError,
     _car_on,
     _cfg,
@@ -77,12 +78,29 @@ def markdown_table(frame: pd.DataFrame, *, index: bool = False, floatfmt: str = 
     return "\n".join(lines)
 
 
-def _pm(mean: float, ci: float, *, percent: bool = False, digits: int = 2) -> str:
+SEEDS_NOTE = (
+    "\n\nmean ± 95% CI half-width (Student t) over seeds when there are ≥ 3 seeds; with 2 "
+    "seeds the mean and, in parentheses, the range of the two (a 2-seed t-interval, t = 12.7, "
+    "says nothing); with one seed its value. `seeds` is n."
+)
+
+
+def _summary(row: pd.Series, prefix: str, *, percent: bool = False, digits: int = 2) -> str:
+    """One cell from a row with `seeds` and `{prefix}mean`, `ci95`, `min`, `max`: "mean ± ci"
+    with >= 3 seeds, "mean (min–max)" with 2, "mean" with one."""
+    mean = row[f"{prefix}mean"]
     if mean is None or pd.isna(mean):
         return ""
     k = 100.0 if percent else 1.0
-    text = f"{mean * k:.{digits}f}"
-    return text + (f" ± {ci * k:.{digits}f}" if ci is not None and pd.notna(ci) else "")
+
+    def num(column: str) -> str:
+        return f"{row[prefix + column] * k:.{digits}f}"
+
+    if row["seeds"] >= MIN_SEEDS_FOR_CI and pd.notna(row[f"{prefix}ci95"]):
+        return f"{num('mean')} ± {num('ci95')}"
+    if row["seeds"] >= 2:
+        return f"{num('mean')} ({num('min')}–{num('max')})"
+    return num("mean")
 
 
 def _per_run(df: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -124,7 +142,8 @@ def run_summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def main_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
-    """Final and peak `metric` per (scale, experiment, variant), mean ± 95% CI over seeds."""
+    """Final and peak `metric` per (scale, experiment, variant) over seeds, with n (`seeds`):
+    mean ± 95% CI with >= 3 seeds, mean (min–max) with 2, the value with one."""
     if df is None or df.empty or not _has(df, metric):
         raise MissingRunsError(f"main table: no run logs {metric}; it needs {HINT_METHODS}")
     per = _per_run(df, metric)
@@ -132,15 +151,11 @@ def main_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
     ident = df.drop_duplicates("run")[["run", "scale", "experiment", "variant", "method", "root"]]
     per = per.merge(ident, on="run")
     by = ["scale", "experiment", "variant", "root"]
-    final = aggregate_seeds(per, "final", by=by)
+    stats = ["mean", "ci95", "min", "max"]
+    final = aggregate_seeds(per, "final", by=by).rename(columns={"n": "seeds"})
     peak = aggregate_seeds(per, "peak", by=by)
-    frame = final.rename(columns={"mean": "final_mean", "ci95": "final_ci95", "n": "seeds"})
-    frame = frame.drop(columns="std").merge(
-        peak.rename(columns={"mean": "peak_mean", "ci95": "peak_ci95"})[
-            [*by, "peak_mean", "peak_ci95"]
-        ],
-        on=by,
-    )
+    frame = final[[*by, "seeds", *stats]].rename(columns={c: f"final_{c}" for c in stats})
+    frame = frame.merge(peak[[*by, *stats]].rename(columns={c: f"peak_{c}" for c in stats}), on=by)
     method = ident.drop_duplicates(by).set_index(by)["method"]
     frame.insert(4, "method", [method.get(tuple(k), "") for k in frame[by].itertuples(index=False)])
     order = {"gt": 0, "om_grpo": 1, "mv": 2}
@@ -158,16 +173,16 @@ def main_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
             "variant": [f"{r}: {v}" if r else v for r, v in zip(frame["root"], frame["variant"])],
             "method": frame["method"],
             "seeds": frame["seeds"],
-            f"final {metric}{unit}": [
-                _pm(m, c, percent=percent) for m, c in zip(frame["final_mean"], frame["final_ci95"])
-            ],
-            f"peak {metric}{unit}": [
-                _pm(m, c, percent=percent) for m, c in zip(frame["peak_mean"], frame["peak_ci95"])
-            ],
+            **{
+                f"{which} {metric}{unit}": [
+                    _summary(row, f"{which}_", percent=percent) for _, row in frame.iterrows()
+                ]
+                for which in ("final", "peak")
+            },
         }
     )
-    note = "\n\nmean ± 95% CI half-width (Student t) over seeds; no ± with one seed."
-    return Table("main", f"Final and peak {metric} per variant", frame, markdown_table(show) + note)
+    table = markdown_table(show) + SEEDS_NOTE
+    return Table("main", f"Final and peak {metric} per variant", frame, table)
 
 
 def _hms(seconds: float) -> str:
@@ -179,7 +194,7 @@ def _hms(seconds: float) -> str:
 
 def car_vs_n_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
     """OM-GRPO with CAR vs without CAR at n = 8 / 16 / 64 rollouts per prompt: final `metric`
-    (mean ± 95% CI over seeds), mean seconds per step, and total training time."""
+    (over seeds, as in `main_table`), mean seconds per step, and total training time."""
     what = "CAR vs more rollouts"
     if df is None or df.empty:
         raise MissingRunsError(f"{what}: no runs loaded; it needs {HINT_N}")
@@ -219,8 +234,7 @@ def car_vs_n_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
             "car": acc["config"].map(keys["car"]).astype(bool),
             "n": acc["config"].map(keys["n"]),
             "seeds": acc["n"],
-            f"final_{metric}_mean": acc["mean"],
-            f"final_{metric}_ci95": acc["ci95"],
+            **{f"final_{metric}_{c}": acc[c] for c in ("mean", "ci95", "min", "max")},
             "time_per_step_s": acc["config"].map(step_s),
             "total_time_s": acc["config"].map(total_s),
         }
@@ -233,14 +247,13 @@ def car_vs_n_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
             "method": frame["config"],
             "seeds": frame["seeds"],
             f"final {metric}" + (" (%)" if percent else ""): [
-                _pm(m, c, percent=percent)
-                for m, c in zip(frame[f"final_{metric}_mean"], frame[f"final_{metric}_ci95"])
+                _summary(row, f"final_{metric}_", percent=percent) for _, row in frame.iterrows()
             ],
             "time/step (s)": [f"{v:.2f}" for v in frame["time_per_step_s"]],
             "total time": [_hms(v) for v in frame["total_time_s"]],
         }
     )
-    return Table("car_vs_n", "CAR vs more rollouts", frame, markdown_table(show))
+    return Table("car_vs_n", "CAR vs more rollouts", frame, markdown_table(show) + SEEDS_NOTE)
 
 
 STAGES = {
@@ -294,9 +307,11 @@ def overhead_table(df: pd.DataFrame) -> Table:
     frame = frame.dropna(how="all")
     frame.index.name = "component"
     show = frame.map(lambda v: "" if pd.isna(v) else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}")
+    runs = df.groupby("curve")["run"].nunique()
+    show.columns = [f"{curve} (n={runs[curve]})" for curve in show.columns]
     note = (
         "\n\nmemory: GPU peak allocated on GPUs, peak RSS of the process on the CPU; "
-        "times are means over steps, then over seeds."
+        "times are means over steps, then over the n seeds (runs) of each variant."
     )
     return Table("overhead", "Per-stage overhead", frame, markdown_table(show, index=True) + note)
 

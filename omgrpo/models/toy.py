@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
+from omgrpo.basecheck import write_base_checks
 from omgrpo.car import car_prompt, car_text
+from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.engine import left_pad, right_pad
 from omgrpo.losses import token_logprobs_and_entropy
 from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
@@ -61,6 +62,7 @@ def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
 
 def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
     warm_start = dict(model_cfg.warm_start)
+    warm_start.pop("check_problems", None)  # measured after training, does not change weights
     if not warm_start.get("car_share"):  # bases trained before CAR batches existed keep their key
         warm_start.pop("car_share", None)
     spec = {
@@ -106,6 +108,7 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
         car_share=ws.car_share,
     )
     # Write to a temporary directory and rename, so parallel runs never see half a model.
+    quiet_library_bars()
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -117,6 +120,17 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     }
     (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2))
     print(f"warm start: done in {meta['seconds']} s (final loss {meta['final_loss']})", flush=True)
+    if ws.check_problems > 0:
+        sft_questions = {p.question for p in problems}
+        write_base_checks(
+            tmp,
+            model,
+            tokenizer,
+            spec,
+            ws.check_problems,
+            ws.seed,
+            exclude_questions | sft_questions,
+        )
     try:
         tmp.rename(out)
     except OSError:  # another process finished first: use theirs
@@ -194,8 +208,8 @@ def sft(
     )
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc="warm start (SFT)", leave=False, disable=not os.isatty(2))
-    for _ in bar:
+    progress = Progress("warm start (SFT)", steps, {"loss": "loss"}, every=max(steps // 20, 1))
+    for step in range(1, steps + 1):
         pool = car if car and rng.random() < car_share else examples
         batch = rng.sample(pool, min(batch_size, len(pool)))
         prompt_ids, prompt_mask = left_pad([a for a, _ in batch], tokenizer.pad_token_id)
@@ -210,6 +224,7 @@ def sft(
         optim.step()
         sched.step()
         losses.append(loss.item())
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        progress.update(step, {"loss": losses[-1]})
+    progress.close()
     model.eval()
     return losses

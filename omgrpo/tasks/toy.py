@@ -12,13 +12,23 @@ character-level model can learn the world from a few hundred SFT steps. Difficul
 the number of steps; ground truth is known exactly, which is what lets us measure collapse.
 Splits are generated from disjoint seeds and deduplicated, so train/val/test never share a
 question.
+
+Shortcut worlds (issue 14; `docs/toy-worlds.md`). The paper's collapse runs through the answer
+tokens: the policy learns to box a shared default answer ("1" in its case study) whatever the
+reasoning says, and majority voting rewards the agreement. In the faithful world above, the boxed
+answer is a copy of the last line, so there is no such route. A spec with `guess_rate_*` > 0
+gives the base one: a share of its SFT solutions (larger on hard problems, as a base guesses more
+where it cannot reason) end in ``\\boxed{g}`` with g drawn from a skewed guess prior (P(g =
+`guess_peak`) = `guess_peak_p`, else uniform), not the value the lines computed. With
+`bare_guess` such a solution is only the closing sentence, so the decision to guess sits in
+unmasked tokens. Labels always stay the true values; only the SFT text changes.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omgrpo.tasks.base import Problem, TaskSplits
 
@@ -35,6 +45,50 @@ class ToyWorldSpec:
     max_operand: int = 20
     max_factor: int = 5
     max_value: int = 99
+    hard_share: float = 0.0
+    """Share of problems from the hard regime (`hard_steps` operations and the `hard_*` ranges:
+    the schema's wide ranges, where a 600-step base is right ~25% of the time); the rest follow
+    the ranges above ("easy")."""
+    hard_steps: int = 3
+    hard_max_start: int = 20
+    hard_max_operand: int = 20
+    hard_max_factor: int = 5
+    hard_max_value: int = 99
+    guess_rate_easy: float = 0.0
+    """SFT only: share of easy solutions whose boxed answer is a guess from the prior."""
+    guess_rate_hard: float = 0.0
+    """SFT only: the same for hard problems."""
+    guess_peak: int = 1
+    """The guess prior's peak value (the paper's collapse answer is "1")."""
+    guess_peak_p: float = 0.6
+    """P(guess = guess_peak); otherwise uniform over [0, the regime's max value]. 0 = flat prior."""
+    bare_guess: bool = False
+    """A guessed SFT solution is only "So the answer is \\boxed{g}." (no reasoning lines)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hard_share", "guess_rate_easy", "guess_rate_hard", "guess_peak_p"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"toy task: {name} must be in [0, 1], got {value}")
+        if self.hard_share > 0 and self.hard_steps < 1:
+            raise ValueError(f"toy task: hard_steps must be >= 1, got {self.hard_steps}")
+
+    @property
+    def hard(self) -> ToyWorldSpec:
+        """The generator ranges of the hard regime."""
+        return replace(
+            self,
+            min_steps=self.hard_steps,
+            max_steps=self.hard_steps,
+            max_start=self.hard_max_start,
+            max_operand=self.hard_max_operand,
+            max_factor=self.hard_max_factor,
+            max_value=self.hard_max_value,
+            hard_share=0.0,
+        )
+
+    def guess_rate(self, difficulty: str) -> float:
+        return self.guess_rate_hard if difficulty == "hard" else self.guess_rate_easy
 
     @classmethod
     def from_config(cls, task_cfg) -> ToyWorldSpec:
@@ -67,8 +121,11 @@ def _sample_chain(rng: random.Random, spec: ToyWorldSpec) -> tuple[int, list[tup
     return start, ops
 
 
-def make_problem(rng: random.Random, spec: ToyWorldSpec, pid: str) -> Problem:
-    start, ops = _sample_chain(rng, spec)
+def make_problem(
+    rng: random.Random, spec: ToyWorldSpec, pid: str, difficulty: str = "easy"
+) -> Problem:
+    """One problem of `spec`'s ranges (the hard regime's if `difficulty == "hard"`)."""
+    start, ops = _sample_chain(rng, spec.hard if difficulty == "hard" else spec)
     question = "Evaluate left to right: " + str(start) + "".join(f"{o}{n}" for o, n in ops)
     words = ", ".join(f"{_OP_WORDS[o]} {n}" for o, n in ops)
     paraphrase = f"Start with {start}, {words}. What is the result?"
@@ -84,8 +141,33 @@ def make_problem(rng: random.Random, spec: ToyWorldSpec, pid: str) -> Problem:
         answer=str(value),
         solution=solution,
         paraphrase=paraphrase,
-        meta={"steps": len(ops)},
+        meta={"steps": len(ops), "difficulty": difficulty},
     )
+
+
+def draw_difficulty(rng: random.Random, spec: ToyWorldSpec) -> str:
+    # No draw at all without a hard regime, so the faithful world's splits are unchanged.
+    if spec.hard_share <= 0:
+        return "easy"
+    return "hard" if rng.random() < spec.hard_share else "easy"
+
+
+def draw_guess(rng: random.Random, spec: ToyWorldSpec, difficulty: str) -> int:
+    """A value from the guess prior: `guess_peak` with probability `guess_peak_p`, else uniform
+    over the regime's value range."""
+    if rng.random() < spec.guess_peak_p:
+        return spec.guess_peak
+    top = spec.hard_max_value if difficulty == "hard" else spec.max_value
+    return rng.randint(0, top)
+
+
+def with_guess(problem: Problem, guess: int, bare: bool) -> Problem:
+    """`problem` whose worked solution boxes `guess` instead of the computed value (the lines
+    stay correct), or, if `bare`, is only the closing sentence. The label is unchanged."""
+    closing = f"So the answer is \\boxed{{{guess}}}."
+    lines = (problem.solution or "").split("\n")[:-1]
+    solution = closing if bare else "\n".join([*lines, closing])
+    return replace(problem, solution=solution, meta={**problem.meta, "guess": guess})
 
 
 def generate_toy_splits(
@@ -108,7 +190,7 @@ def generate_toy_splits(
                     f"toy task: cannot draw {n} distinct {name} problems from {spec}; "
                     "widen the ranges or ask for fewer problems"
                 )
-            p = make_problem(rng, spec, f"{name}-{len(out)}")
+            p = make_problem(rng, spec, f"{name}-{len(out)}", draw_difficulty(rng, spec))
             if p.question in seen:
                 continue
             seen.add(p.question)
@@ -121,20 +203,47 @@ def generate_sft_problems(
     n: int, seed: int, spec: ToyWorldSpec, exclude: set[str] | None = None
 ) -> list[Problem]:
     """Worked problems for the SFT warm start, disjoint from the RL splits (`exclude`), so the
-    base model has never seen the questions it is later trained and evaluated on."""
+    base model has never seen the questions it is later trained and evaluated on. In a shortcut
+    world (`guess_rate_*` > 0) a share of the solutions box a guess (`with_guess`); the guesses
+    come from their own random stream, so the questions do not depend on the guess rates."""
     rng = random.Random(f"omgrpo-toy-sft-{seed}")
+    guess_rng = random.Random(f"omgrpo-toy-sft-guess-{seed}")
     exclude = exclude or set()
     out: list[Problem] = []
     attempts = 0
     while len(out) < n and attempts < 50 * n + 1000:
         attempts += 1
-        p = make_problem(rng, spec, f"sft-{len(out)}")
-        if p.question not in exclude:
-            out.append(p)
+        p = make_problem(rng, spec, f"sft-{len(out)}", draw_difficulty(rng, spec))
+        if p.question in exclude:
+            continue
+        difficulty = p.meta["difficulty"]
+        if guess_rng.random() < spec.guess_rate(difficulty):
+            p = with_guess(p, draw_guess(guess_rng, spec, difficulty), spec.bare_guess)
+        out.append(p)
     return out
 
 
 _LINE = re.compile(r"^(\d+)([+\-*])(\d+)=(\d+)$")
+# The right-hand side of a computed line anywhere in a response (`12*3=36`).
+_RESULT = re.compile(r"(?m)^\s*\d+\s*[+\-*]\s*\d+\s*=\s*(\d+)\s*$")
+
+
+def last_result_span(text: str) -> tuple[int, int] | None:
+    """Character span of the value the reasoning computed last: the right-hand side of the last
+    ``a op b = c`` line before the final ``\\boxed``, or None if the response computes nothing
+    there (a bare guess, or garbage)."""
+    box = text.rfind("\\boxed")
+    head = text if box < 0 else text[:box]
+    last = None
+    for m in _RESULT.finditer(head):
+        last = m
+    return None if last is None else last.span(1)
+
+
+def last_result(text: str) -> str | None:
+    """The value the reasoning computed last (see `last_result_span`), as text."""
+    span = last_result_span(text)
+    return None if span is None else text[span[0] : span[1]]
 
 
 def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:

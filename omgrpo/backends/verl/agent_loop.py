@@ -10,8 +10,8 @@ lets each session finish generating, waits until the prompt's G sessions are the
    prompt, "Here are two possible solutions: ... \\boxed{") is sent to the rollout servers for
    a short answer (`omgrpo.car.max_new_tokens`); the servers are awake in the generation stage,
    so this is the policy being trained;
-2. scores the group (`omgrpo.backends.verl.reward.score_group`): soft vote over the rollouts'
-   answers plus the pair answers, format, ...; records each rollout's answer-token mask;
+2. scores the group with the native trainer's `omgrpo.step.score_step`: soft vote over the
+   rollouts' answers plus the pair answers, format, ...; each rollout's answer-token mask;
 3. presets every rollout's `reward_score` (verl then skips its per-sample reward) and hands the
    rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
    `omgrpo_format`, which verl stores in TransferQueue next to `response_mask`.
@@ -37,12 +37,14 @@ import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.answers import normalize, set_math_verify
+from omgrpo.answers import grading_budget, set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
-from omgrpo.backends.verl.reward import NO_ANSWER, GroupScores, label_of, score_group
-from omgrpo.car import car_text, enumerate_pairs, parse_pair_answer
+from omgrpo.backends.verl.reward import label_of, pred_of
+from omgrpo.car import CarResult, car_text, enumerate_pairs, parse_pair_answer
 from omgrpo.rewards import format_score
+from omgrpo.step import StepBatch, score_step
+from omgrpo.tasks import Problem
 
 __all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
 
@@ -285,44 +287,44 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         outputs = [group.outputs[s][0] for s in sessions]
         kwargs0 = group.outputs[sessions[0]][1]
         label = label_of((kwargs0.get("reward_model") or {}).get("ground_truth"))
-        responses = [list(o.response_ids) for o in outputs]
+        responses = [torch.as_tensor(list(o.response_ids), dtype=torch.int64) for o in outputs]
+        prompt_ids = list(outputs[0].prompt_ids)
         om = self.omgrpo
 
         car = None
         if om.car.enable:
             seed = f"{kwargs0.get('global_steps')}-{kwargs0['uid']}"
             car = await self._pair_answers(
-                list(outputs[0].prompt_ids), responses, str(kwargs0["uid"]), seed
+                prompt_ids, [r.tolist() for r in responses], str(kwargs0["uid"]), seed
             )
-        scores: GroupScores = await asyncio.to_thread(
-            score_group,
-            self.tokenizer,
-            responses,
-            label,
-            list(om.reward.parts),
-            dict(om.reward.weights),
-            car["answers"] if car else None,
-            float(om.reward.grading_budget_s),
-            float(om.reward.equivalence_timeout),
+        # The question text is not needed: scoring reads the responses and the label.
+        problem = Problem(id=self._prompt_id(kwargs0, prompt_ids), question="", answer=label)
+        ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
+        pool = None
+        if car is not None:
+            pool = CarResult(pairs=[[tuple(p) for p in car["pairs"]]], answers=[car["answers"]])
+        batch, timeouts = await asyncio.to_thread(
+            score_group, self.tokenizer, ids, mask, problem, om, pool
         )
-        prompt_id = self._prompt_id(kwargs0, list(outputs[0].prompt_ids))
         for k, (session, output) in enumerate(zip(sessions, outputs)):
-            answer, correct = scores.answers[k], scores.correct[k]
-            output.reward_score = scores.rewards[k]
+            answer, correct = batch.answers[k], batch.correct[k]
+            parts = {part: float(values[k]) for part, values in batch.reward_parts.items()}
+            output.reward_score = float(batch.rewards[k])
             output.extra_fields["reward_extra_info"] = {
-                "score": scores.rewards[k],
-                **{part: values[k] for part, values in scores.parts.items()},
+                "score": output.reward_score,
+                **parts,
                 "acc": float(bool(correct)),
-                "pred": normalize(answer) if answer is not None else NO_ANSWER,
+                "pred": pred_of(answer),
             }
             record: dict[str, Any] = {
                 "answer": answer,
                 "correct": correct,
                 "label": label,
-                "prompt_id": prompt_id,
+                "prompt_id": problem.id,
                 "session": k,
-                "rewards": {part: values[k] for part, values in scores.parts.items()},
-                "grading_timeouts": scores.grading_timeouts,  # the group's, on every rollout
+                "rewards": parts,
+                "grading_timeouts": timeouts,  # the group's, on every rollout
             }
             if car is not None:
                 mine = [(p, a) for p, a in zip(car["pairs"], car["answers"]) if p[0] == k]
@@ -333,10 +335,28 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 }
             output.extra_fields[RECORD_KEY] = record
             group.fields[session] = {
-                ANSWER_MASK_KEY: scores.answer_masks[k],
+                ANSWER_MASK_KEY: batch.responses.answer_mask[k, : len(responses[k])].long(),
                 # The format reward (paper §3.1), for the format-only advantage.
                 FORMAT_SCORE_KEY: torch.tensor(format_score(answer), dtype=torch.float32),
             }
+
+
+def score_group(
+    tokenizer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    problem: Problem,
+    om: Any,
+    car: CarResult | None,
+) -> tuple[StepBatch, int]:
+    """`score_step` on one prompt's rollouts, its answer comparisons within one grading budget
+    (`omgrpo.reward.grading_budget_s`: groups are scored concurrently in the agent-loop
+    workers, so each has its own); returns the scored group and the comparisons it left
+    undecided (`answers/grading_timeouts`)."""
+    budget_s, pair_timeout = float(om.reward.grading_budget_s), float(om.reward.equivalence_timeout)
+    with grading_budget(budget_s, pair_timeout) as budget:
+        batch = score_step(tokenizer, ids, mask, [problem], om, car=car)
+    return batch, budget.timeouts
 
 
 def _plain(value: Any) -> Any:

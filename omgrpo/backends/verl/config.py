@@ -11,13 +11,19 @@ section is left alone. The section's schema is `OmgrpoVerlConfig`; a method pres
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from omgrpo.car import CarConfig
-from omgrpo.config import EXPERIMENTS_DIR, CollapseConfig, RewardConfig
+from omgrpo.config import (
+    EXPERIMENTS_DIR,
+    AlgorithmConfig,
+    CollapseConfig,
+    RewardConfig,
+    validate_algorithm,
+)
 
 VERL_PRESETS_DIR = EXPERIMENTS_DIR / "verl"
 
@@ -41,14 +47,15 @@ class VerlRunSection:
     """Method or ablation (set by the method preset)."""
 
 
-@dataclass
-class VerlAlgorithmSection:
-    answer_weight: float = 0.0
-    """w: weight of answer-span tokens in the PG advantage and the KL term (0 = OM-GRPO)."""
-    format_only: bool = False
-    """Answer tokens get the advantage of the format reward alone (ablation)."""
-    adv_eps: float = 1e-6
-    """delta of the format-only group advantage (verl's GRPO uses 1e-6 too)."""
+VERL_ACTOR_KEYS: dict[str, str] = {
+    "clip": "actor_rollout_ref.actor.clip_ratio",
+    "kl_coef": "actor_rollout_ref.actor.kl_loss_coef",
+    "agg": "actor_rollout_ref.actor.loss_agg_mode",
+    "ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
+    "mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+}
+"""`AlgorithmConfig` fields verl's own actor config holds on this backend (and where)."""
 
 
 @dataclass
@@ -65,7 +72,9 @@ class OmgrpoVerlConfig:
     """Name of the method preset merged into this section."""
     run: VerlRunSection = field(default_factory=VerlRunSection)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: VerlAlgorithmSection = field(default_factory=VerlAlgorithmSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """The native trainer's section; verl reads `answer_weight`, `format_only` and `adv_eps`
+    (the others are verl's actor keys, `VERL_ACTOR_KEYS`, and must keep their defaults)."""
     rollout: VerlRolloutSection = field(default_factory=VerlRolloutSection)
     car: CarConfig = field(default_factory=CarConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
@@ -152,9 +161,8 @@ def validate_section(cfg: DictConfig) -> None:
             f"omgrpo.reward.parts: {unsupported} not supported by the verl backend "
             f"(supported: {', '.join(SUPPORTED_REWARDS)}); use the native trainer for them"
         )
-    w = float(om.algorithm.answer_weight)
-    if not 0.0 <= w <= 1.0:
-        raise ValueError(f"omgrpo.algorithm.answer_weight must be in [0, 1], got {w}")
+    validate_algorithm(om.algorithm, "omgrpo.algorithm")
+    _check_verl_owned(om)
     _check_group_size(cfg, om)
     _check_masking(cfg)
     _check_advantage(cfg, om)
@@ -169,6 +177,17 @@ def validate_section(cfg: DictConfig) -> None:
         )
     if OmegaConf.select(cfg, "algorithm.adv_estimator") != "grpo":
         raise ValueError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
+
+
+def _check_verl_owned(om: DictConfig) -> None:
+    """An algorithm key verl holds itself would be silently ignored: name verl's key."""
+    defaults = {f.name: f.default for f in fields(AlgorithmConfig)}
+    for key, verl_key in VERL_ACTOR_KEYS.items():
+        if om.algorithm[key] != defaults[key]:
+            raise ValueError(
+                f"omgrpo.algorithm.{key}={om.algorithm[key]} is not read by the verl backend; "
+                f"set {verl_key} instead"
+            )
 
 
 def _check_group_size(cfg: DictConfig, om: DictConfig) -> None:

@@ -2,9 +2,9 @@
 
 The agent loop stores a small record per rollout in `extra_fields["omgrpo"]` (answer, label,
 correctness, reward parts, CAR pair answers of the anchor, CAR timings). The driver regroups the
-records by prompt (`uid`) and reuses `omgrpo.diagnostics` and `omgrpo.car` unchanged, so the
-names and definitions match the native trainer's (`answers/*`, `acc/train`, `reward/*`,
-`car/*`). Labels only diagnose.
+records by prompt (`uid`) into the step's `omgrpo.step.StepBatch` and calls the native
+trainer's `omgrpo.step.step_metrics`, so names and definitions are the native trainer's
+(`answers/*`, `acc/train`, `reward/*`, `car/*`). Labels only diagnose.
 """
 
 from __future__ import annotations
@@ -14,25 +14,74 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-from omgrpo.car import car_diagnostics, top_vote_metrics
-from omgrpo.diagnostics import (
-    answer_diagnostics,
-    confidently_wrong,
-    label_flip_rate,
-    majority_answers,
-)
-from omgrpo.rewards import RewardGroup, make_group
+from omgrpo.car import CarResult
+from omgrpo.rewards import make_group
+from omgrpo.step import LoopState, StepBatch
+from omgrpo.step import step_metrics as batch_metrics
+from omgrpo.tasks import Problem
 
-__all__ = ["group_records", "step_metrics"]
+__all__ = ["batch_from_records", "step_metrics"]
 
 
-def group_records(uids: Sequence[Any], records: Sequence[dict]) -> list[list[dict]]:
-    """Records grouped by prompt (first-seen order), each group in session order."""
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for uid, record in zip(uids, records):
-        groups[str(uid)].append(record)
-    return [sorted(g, key=lambda r: r["session"]) for g in groups.values()]
+def _group_rows(uids: Sequence[Any], records: Sequence[dict]) -> list[list[int]]:
+    """Row indices grouped by prompt (first-seen order), each group in session order."""
+    groups: dict[str, list[int]] = defaultdict(list)
+    for i, uid in enumerate(uids):
+        groups[str(uid)].append(i)
+    return [sorted(g, key=lambda i: records[i]["session"]) for g in groups.values()]
+
+
+def batch_from_records(
+    uids: Sequence[Any], records: Sequence[dict], rewards: Sequence[float]
+) -> StepBatch:
+    """The step's rollouts as a `StepBatch` (group order), from the agent loop's records.
+
+    The groups' answer classes are rebuilt with CAR's pair answers as the pool, as the agent
+    loop rewarded them; rewards are verl's `rm_scores` (the agent loop's group rewards).
+    """
+    rows = _group_rows(uids, records)
+    order = [i for g in rows for i in g]
+    recs = [records[i] for i in order]
+    has_car = all("car" in r for r in recs)
+    prompts, groups, pairs, pair_answers = [], [], [], []
+    for g in rows:
+        first = records[g[0]]
+        prompts.append(Problem(id=first["prompt_id"], question="", answer=first["label"]))
+        pool = None
+        if has_car:
+            pairs.append([tuple(p) for i in g for p in records[i]["car"]["pairs"]])
+            pool = [a for i in g for a in records[i]["car"]["answers"]]
+            pair_answers.append(pool)
+        groups.append(
+            make_group([records[i]["answer"] for i in g], label=first["label"], pool=pool)
+        )
+    car = None
+    if has_car:
+        firsts = [records[g[0]]["car"] for g in rows]
+        car = CarResult(
+            pairs=pairs,
+            answers=pair_answers,
+            truncated=sum(c["truncated"] for c in firsts),
+            unclosed=sum(c["unclosed"] for c in firsts),
+            num_pairs=sum(len(p) for p in pairs),
+        )
+    parts = recs[0].get("rewards", {})
+    return StepBatch(
+        prompts=prompts,
+        group_ids=torch.tensor([k for k, g in enumerate(rows) for _ in g], dtype=torch.int64),
+        responses=None,
+        answers=[r["answer"] for r in recs],
+        correct=[r["correct"] for r in recs],
+        groups=groups,
+        reward_parts={
+            p: np.array([r["rewards"][p] for r in recs], dtype=np.float64) for p in parts
+        },
+        rewards=np.asarray([rewards[i] for i in order], dtype=np.float64),
+        advantages=None,
+        car=car,
+    )
 
 
 def step_metrics(
@@ -41,16 +90,16 @@ def step_metrics(
     rewards: Sequence[float],
     *,
     confident_share: float,
-    last_majority: dict[str, str],
+    state: LoopState,
 ) -> dict[str, float]:
-    """Diagnostics of one step's rollouts.
+    """Diagnostics of one step's rollouts (`omgrpo.step.step_metrics`).
 
     Args:
         uids: verl's prompt uid of each rollout (padding rows excluded).
         records: each rollout's `extra_fields["omgrpo"]` (same order).
         rewards: each rollout's total reward (`rm_scores` summed).
         confident_share: `omgrpo.collapse.confident_share`.
-        last_majority: prompt id -> previous majority answer; updated in place (label flips).
+        state: the trainer's loop state (`last_majority` is updated: label flips).
 
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
@@ -60,50 +109,15 @@ def step_metrics(
     """
     if not records:
         return {}
-    grouped = group_records(uids, records)
-    groups: list[RewardGroup] = []
-    correct: list[list[bool | None]] = []
-    has_car = all("car" in r for r in records)
-    pairs, pair_answers = [], []
-    for g in grouped:
-        pool = None
-        if has_car:
-            pairs.append([tuple(p) for r in g for p in r["car"]["pairs"]])
-            pool = [a for r in g for a in r["car"]["answers"]]
-            pair_answers.append(pool)
-        groups.append(make_group([r["answer"] for r in g], label=g[0]["label"], pool=pool))
-        correct.append([r["correct"] for r in g])
-
-    metrics: dict[str, float] = {"reward/total": float(np.mean(rewards))}
-    parts = records[0].get("rewards", {})
-    for part in parts:
-        metrics[f"reward/{part}"] = float(np.mean([r["rewards"][part] for r in records]))
-    diag = answer_diagnostics(groups, correct)
-    diag.pop("answers/batch_mode")  # a string: verl's loggers take numbers
-    metrics.update(diag)
-    metrics["answers/confidently_wrong"] = confidently_wrong(groups, correct, confident_share)
-    metrics["answers/label_flip_rate"] = label_flip_rate(
-        [g[0]["prompt_id"] for g in grouped], majority_answers(groups), last_majority
-    )
+    metrics = batch_metrics(batch_from_records(uids, records, rewards), state, confident_share)
+    metrics.pop("answers/batch_mode")  # a string: verl's loggers take numbers
+    rows = _group_rows(uids, records)
+    # each group was graded within its own budget (the agent loop); its count is on every row
     metrics["answers/grading_timeouts"] = float(
-        sum(g[0].get("grading_timeouts", 0) for g in grouped)
+        sum(records[g[0]].get("grading_timeouts", 0) for g in rows)
     )
-    if has_car:
-        rollout_answers = [[r["answer"] for r in g] for g in grouped]
-        firsts = [g[0]["car"] for g in grouped]
-        metrics.update(
-            car_diagnostics(
-                pairs,
-                pair_answers,
-                rollout_answers,
-                correct,
-                unclosed=sum(c["unclosed"] for c in firsts),
-                truncated=sum(c["truncated"] for c in firsts),
-            )
-        )
-        metrics.update(
-            top_vote_metrics(rollout_answers, pair_answers, [g[0]["label"] for g in grouped])
-        )
+    if all("car" in r for r in records):
+        firsts = [records[g[0]]["car"] for g in rows]
         metrics["car/seconds"] = float(sum(c["end"] - c["start"] for c in firsts))
         metrics["car/span_s"] = float(
             max(c["end"] for c in firsts) - min(c["start"] for c in firsts)

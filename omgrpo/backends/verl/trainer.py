@@ -42,6 +42,7 @@ from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
 from omgrpo.diagnostics import CollapseDetector
+from omgrpo.step import LoopState
 
 __all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
 
@@ -87,11 +88,12 @@ class OmgrpoTrainer(PPOTrainerSync):
             raise ValueError("the omgrpo trainer replaces ppo_loss: disable distillation")
         self.omgrpo = section(config)
         set_math_verify(bool(self.omgrpo.reward.math_verify))
-        self._last_majority: dict[str, str] = {}
+        self._loop = LoopState()  # label flips and collapse across steps, as the native loop
         collapse = self.omgrpo.collapse
         self._collapse = CollapseDetector(
             collapse.max_unique_per_prompt, collapse.min_mode_share, collapse.patience
         )
+        self._collapse.state = self._loop.collapse
         super().__init__(config)
 
     def _build_replay_buffer(self) -> Any:
@@ -106,11 +108,10 @@ class OmgrpoTrainer(PPOTrainerSync):
         """The actor loss to install on the workers: built from the same actor config the
         workers use (as verl builds the critic's loss on the driver)."""
         actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        return partial(
-            omgrpo_ppo_loss,
-            config=actor_config,
-            answer_weight=float(self.omgrpo.algorithm.answer_weight),
-        )
+        algo = self.omgrpo.algorithm
+        kl_weight = algo.answer_weight if algo.answer_kl_weight is None else algo.answer_kl_weight
+        # the PG weight w is applied to the advantages; the loss weights the KL term only
+        return partial(omgrpo_ppo_loss, config=actor_config, answer_weight=float(kl_weight))
 
     def on_init_end(self) -> None:
         self.actor_rollout_wg.set_loss_fn(self.make_loss_fn())
@@ -177,7 +178,7 @@ class OmgrpoTrainer(PPOTrainerSync):
             records,
             rewards,
             confident_share=float(self.omgrpo.collapse.confident_share),
-            last_majority=self._last_majority,
+            state=self._loop,
         )
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch) -> None:

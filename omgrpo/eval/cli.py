@@ -1,0 +1,119 @@
+"""`omgrpo eval ...` and `omgrpo data convert ...` (exit status 0, or 2 with the reason)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from omgrpo.analysis.cli import _fail, _parse
+from omgrpo.eval.sampler import BACKENDS
+
+
+def eval_main(argv: list[str]) -> int:
+    from omgrpo.eval.checkpoints import CheckpointError
+    from omgrpo.eval.data import BenchmarkDataError
+    from omgrpo.eval.runner import evaluate
+    from omgrpo.eval.suite import load_suite
+
+    parser = argparse.ArgumentParser(
+        prog="omgrpo eval",
+        description="Evaluate runs' checkpoints (or local Hugging Face model directories) on a "
+        "benchmark suite: writes <run>/eval/<suite>[-<checkpoint>]/ (<benchmark>.parquet, "
+        "summary.json) and logs to the run's MLflow / W&B run. Resumable per benchmark.",
+    )
+    parser.add_argument("targets", nargs="+", help="run directories or HF model directories")
+    parser.add_argument(
+        "--suite", default="paper", help="paper (default), toy, or a suite YAML (docs/eval.md)"
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="last",
+        help="last (default), best (by --select-metric on the validation split), step_N, base",
+    )
+    parser.add_argument("--select-metric", default="val/acc", help="metric for 'best'")
+    parser.add_argument("--select-split", default="val", help="split of that metric (val)")
+    parser.add_argument("--backend", default="native", choices=BACKENDS)
+    parser.add_argument("--batch-size", type=int, default=256, help="rollouts sampled at once")
+    parser.add_argument("--device", default="auto", help="auto (the run's), cpu, cuda[:N]")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--out", help="output folder (one target only)")
+    parser.add_argument("--no-track", action="store_true", help="do not log to MLflow / W&B")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    if ns.out and len(ns.targets) > 1:
+        return _fail("omgrpo eval", "--out takes one target")
+    if ns.threads:
+        import torch
+
+        torch.set_num_threads(ns.threads)
+    try:
+        suite = load_suite(ns.suite)
+        for target in ns.targets:
+            start = time.perf_counter()
+            out = evaluate(
+                target,
+                suite,
+                checkpoint=ns.checkpoint,
+                select_metric=ns.select_metric,
+                select_split=ns.select_split,
+                backend=ns.backend,
+                batch_size=ns.batch_size,
+                device=ns.device,
+                out=ns.out,
+                track=not ns.no_track,
+            )
+            print(f"eval: {out / 'summary.json'}  ({time.perf_counter() - start:.1f} s)")
+    except (
+        FileNotFoundError,
+        CheckpointError,
+        BenchmarkDataError,
+        ImportError,
+        ValueError,
+    ) as e:
+        return _fail("omgrpo eval", str(e))
+    return 0
+
+
+def data_main(argv: list[str]) -> int:
+    from omgrpo.eval.data import BenchmarkDataError, convert
+
+    parser = argparse.ArgumentParser(
+        prog="omgrpo data",
+        description="Benchmark data. `convert` turns a local copy (a .jsonl/.json/.parquet "
+        "file, a `save_to_disk` directory, or a dataset already in the local Hugging Face "
+        "cache; nothing is downloaded) into id/question/answer rows for `omgrpo eval`.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("convert", help="convert a local benchmark copy")
+    conv.add_argument("source", help="file, save_to_disk dir, or cached dataset name")
+    conv.add_argument("--out", required=True, help="output .jsonl or .parquet")
+    conv.add_argument("--split", help="dataset split (e.g. test)")
+    conv.add_argument("--config", help="dataset config (e.g. main for openai/gsm8k)")
+    conv.add_argument("--question-key", help="question column (default: detected)")
+    conv.add_argument("--answer-key", help="answer column (default: detected)")
+    conv.add_argument(
+        "--answer-format",
+        default="auto",
+        choices=["auto", "plain", "gsm8k"],
+        help="gsm8k: the answer ends in '#### N' (auto detects it)",
+    )
+    conv.add_argument("--limit", type=int, help="first N rows only")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    try:
+        path, n = convert(
+            ns.source,
+            ns.out,
+            split=ns.split,
+            config=ns.config,
+            question_key=ns.question_key,
+            answer_key=ns.answer_key,
+            answer_format=ns.answer_format,
+            limit=ns.limit,
+        )
+    except (FileNotFoundError, BenchmarkDataError, ImportError, ValueError) as e:
+        return _fail("omgrpo data convert", str(e))
+    print(f"wrote {n} problems to {path}")
+    return 0

@@ -1,0 +1,192 @@
+"""Benchmark files: JSONL / JSON / Parquet in the common public formats, and conversion from a
+local Hugging Face `datasets` copy.
+
+Formats read (column names are detected unless the suite names them):
+
+| benchmark | source | question | answer |
+|---|---|---|---|
+| MATH500 | `HuggingFaceH4/MATH-500` (test, 500) | `problem` | `answer` (LaTeX) |
+| GSM8K | `openai/gsm8k` (main, test, 1319) | `question` | `answer`: worked solution ending `#### 72` |
+| AIME 2024 | `HuggingFaceH4/aime_2024` (train, 30) | `problem` | `answer` (int or string) |
+| AIME 2025 | e.g. `yentinglin/aime_2025` / opencompass (30) | `problem` / `question` | `answer` |
+| AMC | TTRL's AMC-TTT / `AI-MO/aimo-validation-amc` (83) | `prompt` / `problem` | `answer` (float, e.g. `27.0`) |
+
+Answers are read as strings: GSM8K's final line after `####` (thousands commas dropped),
+integral floats as integers (`27.0` -> `27`). Every bad row is reported with its file and row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omgrpo.tasks.base import Problem
+from omgrpo.tasks.files import _read_rows
+
+QUESTION_KEYS = ("problem", "question", "prompt", "Problem", "Question")
+ANSWER_KEYS = ("answer", "Answer", "final_answer", "expected_answer")
+ANSWER_FORMATS = ("auto", "plain", "gsm8k")
+MAX_REPORTED = 20
+
+
+class BenchmarkDataError(ValueError):
+    """A benchmark file with bad rows; the message lists each (file, row, what is wrong)."""
+
+
+def final_answer(value: Any, answer_format: str = "auto") -> str:
+    """The gold answer as a string. `gsm8k`: the text after the last `####` (required);
+    `auto`: the same when `####` occurs, else the value; `plain`: the value."""
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"unknown answer format '{answer_format}'; valid: {ANSWER_FORMATS}")
+    if isinstance(value, bool | np.bool_) or value is None:
+        raise ValueError(f"expected a number or a string, got {value!r}")
+    if isinstance(value, numbers.Integral):  # numpy integers too (Parquet columns)
+        return str(int(value))
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"answer is {value}")
+        return str(int(value)) if value.is_integer() else repr(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a number or a string, got {type(value).__name__}")
+    text = value.strip()
+    if answer_format == "gsm8k" or (answer_format == "auto" and "####" in text):
+        if "####" not in text:
+            raise ValueError("GSM8K answer without a final '#### N' line")
+        text = text.rsplit("####", 1)[1].strip().replace(",", "")
+    if not text:
+        raise ValueError("empty answer")
+    return text
+
+
+def _pick(row: dict, key: str | None, candidates: Sequence[str], what: str) -> str:
+    if key:
+        if key not in row:
+            raise KeyError(f"no '{key}' column (columns: {sorted(row)})")
+        return key
+    for name in candidates:
+        if name in row:
+            return name
+    raise KeyError(f"no {what} column: expected one of {list(candidates)} (columns: {sorted(row)})")
+
+
+def load_benchmark(
+    path: str | Path,
+    question_key: str | None = None,
+    answer_key: str | None = None,
+    answer_format: str = "auto",
+    id_key: str | None = None,
+    limit: int | None = None,
+) -> list[Problem]:
+    """Problems of a benchmark file. Raises BenchmarkDataError listing every bad row (missing or
+    empty question, missing or unreadable answer) by file and row (JSONL: line, 1-based;
+    JSON / Parquet: row index, 0-based, as `omgrpo.tasks.files` names them)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"benchmark file not found: {path} (convert a local copy with `omgrpo data convert`, "
+            "see docs/eval.md)"
+        )
+    rows = list(_read_rows(path))  # (where: file and row / line, row)
+    problems, errors = [], []
+    for i, (where, row) in enumerate(rows[:limit] if limit else rows):
+        try:
+            if not isinstance(row, dict):
+                raise ValueError(f"expected an object, got {row!r:.60}")
+            q = _pick(row, question_key, QUESTION_KEYS, "question")
+            question = row[q]
+            if not isinstance(question, str) or not question.strip():
+                raise ValueError(f"empty or non-text '{q}'")
+            a = _pick(row, answer_key, ANSWER_KEYS, "answer")
+            answer = final_answer(row[a], answer_format)
+        except (KeyError, ValueError) as e:
+            errors.append(f"{where}: {e.args[0] if e.args else e}")
+            continue
+        pid = row.get(id_key or "id", row.get("unique_id", i))
+        problems.append(Problem(id=str(pid), question=question, answer=answer))
+    if errors:
+        shown = errors[:MAX_REPORTED]
+        more = (
+            f"\n  ... and {len(errors) - MAX_REPORTED} more" if len(errors) > MAX_REPORTED else ""
+        )
+        raise BenchmarkDataError(
+            f"{path}: {len(errors)} bad row(s) of {len(rows)}:\n  " + "\n  ".join(shown) + more
+        )
+    if not problems:
+        raise BenchmarkDataError(f"{path}: no rows")
+    return problems
+
+
+def write_problems(problems: Sequence[Problem], out: str | Path) -> Path:
+    """Write `id`, `question`, `answer` rows as JSONL (`.jsonl`) or Parquet (`.parquet`)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"id": p.id, "question": p.question, "answer": p.answer} for p in problems]
+    if out.suffix == ".parquet":
+        import pandas as pd
+
+        pd.DataFrame(rows).to_parquet(out, index=False)
+    elif out.suffix == ".jsonl":
+        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        raise ValueError(f"{out}: write .jsonl or .parquet")
+    return out
+
+
+def convert(
+    source: str | Path,
+    out: str | Path,
+    *,
+    split: str | None = None,
+    config: str | None = None,
+    question_key: str | None = None,
+    answer_key: str | None = None,
+    answer_format: str = "auto",
+    limit: int | None = None,
+) -> tuple[Path, int]:
+    """Convert a local benchmark copy into `id`/`question`/`answer` rows.
+
+    `source` is a data file (.jsonl/.json/.parquet), a directory written by
+    `Dataset.save_to_disk`, or a dataset name that is already in the local `datasets` cache
+    (read with `HF_DATASETS_OFFLINE=1`; nothing is downloaded). Returns (path, rows)."""
+    src = Path(source)
+    if src.is_file():
+        problems = load_benchmark(src, question_key, answer_key, answer_format, limit=limit)
+        return write_problems(problems, out), len(problems)
+    rows = _dataset_rows(str(source), split, config)
+    tmp = Path(out).with_suffix(".rows.jsonl")
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+    try:
+        problems = load_benchmark(tmp, question_key, answer_key, answer_format, limit=limit)
+    finally:
+        tmp.unlink()
+    return write_problems(problems, out), len(problems)
+
+
+def _dataset_rows(source: str, split: str | None, config: str | None) -> list[dict]:
+    import os
+
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(
+            "reading a Hugging Face dataset needs `pip install datasets`; or pass a "
+            ".jsonl/.parquet file"
+        ) from e
+    if Path(source).is_dir():  # written by save_to_disk (a Dataset or a DatasetDict)
+        data = datasets.load_from_disk(source)
+    else:
+        data = datasets.load_dataset(source, config, split=split)
+    if isinstance(data, datasets.DatasetDict):
+        if split is None:
+            raise ValueError(f"{source}: has splits {list(data)}; choose one with --split")
+        data = data[split]
+    return [dict(r) for r in data]

@@ -1,0 +1,103 @@
+"""Benchmark metrics from a table of graded samples (pure functions, numpy only).
+
+Per problem with n samples of which c are correct:
+- avg@n   mean correctness of the n samples (the paper's "avg@16": 16 samples, averaged);
+- pass@k  chance that at least one of k samples drawn without replacement from the n is
+          correct, the unbiased estimator of Chen et al. (2021):
+          1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i);
+- maj@k   whether the most common answer among the first k samples (equivalence classes of
+          `omgrpo.answers.cluster`; ties go to the class seen first) is correct;
+- extraction rate: share of samples with a `\\boxed{}` answer.
+Each is averaged over problems; `bootstrap_ci` resamples problems for a 95% interval.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of one problem (n samples, c correct, 1 <= k <= n)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def majority_correct(classes: Sequence[int | None], correct: Sequence[bool]) -> bool:
+    """Whether the most common answer class is correct (no answer at all: False)."""
+    counts = Counter(c for c in classes if c is not None)
+    if not counts:
+        return False
+    top = max(counts.values())
+    winner = next(c for c in classes if c is not None and counts[c] == top)
+    return bool(correct[list(classes).index(winner)])
+
+
+def ks_up_to(n: int) -> list[int]:
+    """The k reported for maj@k: powers of two below n, and n itself."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return [*ks, n]
+
+
+def per_problem_scores(
+    correct: Sequence[Sequence[bool]],
+    classes: Sequence[Sequence[int | None]],
+) -> dict[str, np.ndarray]:
+    """Metric name -> score per problem (arrays of length P). Every problem needs the same
+    number of samples n; pass@k for every k <= n, maj@k for `ks_up_to(n)`."""
+    sizes = {len(c) for c in correct}
+    if len(sizes) != 1:
+        raise ValueError(f"every problem needs the same number of samples, got {sorted(sizes)}")
+    n = sizes.pop()
+    if n == 0:
+        raise ValueError("no samples per problem")
+    right = np.array([[bool(x) for x in row] for row in correct])
+    counts = right.sum(1)
+    scores: dict[str, np.ndarray] = {f"avg@{n}": right.mean(1)}
+    for k in range(1, n + 1):
+        scores[f"pass@{k}"] = np.array([pass_at_k(n, int(c), k) for c in counts])
+    for k in ks_up_to(n):
+        scores[f"maj@{k}"] = np.array(
+            [majority_correct(cls[:k], row[:k]) for cls, row in zip(classes, right)], dtype=float
+        )
+    scores["extract_rate"] = np.array(
+        [np.mean([c is not None for c in cls]) for cls in classes], dtype=float
+    )
+    return scores
+
+
+def bootstrap_ci(
+    scores: dict[str, np.ndarray], n_boot: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, tuple[float, float]]:
+    """Percentile bootstrap interval of each metric's mean over problems (problems resampled
+    with replacement, the same resamples for every metric)."""
+    names = list(scores)
+    matrix = np.stack([scores[m] for m in names], axis=1)  # (P, M)
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, matrix.shape[0], size=(n_boot, matrix.shape[0]))
+    means = matrix[idx].mean(axis=1)  # (n_boot, M)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
+    return {m: (float(a), float(b)) for m, a, b in zip(names, lo, hi)}
+
+
+def summarize(
+    correct: Sequence[Sequence[bool]],
+    classes: Sequence[Sequence[int | None]],
+    n_boot: int = 1000,
+    seed: int = 0,
+) -> dict[str, dict[str, float | list[float]]]:
+    """{"metrics": name -> mean over problems, "ci95": name -> [low, high]}."""
+    scores = per_problem_scores(correct, classes)
+    ci = bootstrap_ci(scores, n_boot=n_boot, seed=seed)
+    return {
+        "metrics": {m: float(v.mean()) for m, v in scores.items()},
+        "ci95": {m: list(ci[m]) for m in scores},
+    }

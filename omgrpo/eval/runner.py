@@ -1,0 +1,380 @@
+"""`evaluate(target, suite, ...)`: sample, grade and summarise a model on a benchmark suite.
+
+Output, per evaluation directory (`<run>/eval/<suite>/` for the last checkpoint,
+`<run>/eval/<suite>-<checkpoint>/` otherwise, or `--out`):
+
+    <benchmark>.parquet   every sample: prompt_id, sample, question, text, answer, gold,
+                          correct, answer_class
+    <benchmark>.json      that benchmark's metrics, settings and checkpoint (the resume marker)
+    summary.json          every benchmark's avg@k, pass@1..k, maj@k, extraction rate with
+                          bootstrap 95% CIs, the grader version, sampling settings, the
+                          checkpoint and why it was chosen, the run's identity
+
+A benchmark whose `<benchmark>.json` matches the current settings, checkpoint and grader is
+not evaluated again (resume after an interruption; finished benchmarks are kept).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from omgrpo import answers as grader
+from omgrpo.eval.checkpoints import Choice, choose_checkpoint
+from omgrpo.eval.data import load_benchmark
+from omgrpo.eval.metrics import summarize
+from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler
+from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite
+from omgrpo.store import RunStore
+from omgrpo.tasks.base import Problem
+
+CHUNK_PROBLEMS = 32  # problems sampled at once; progress is reported after each chunk
+
+
+@dataclass
+class Target:
+    """What is evaluated: a run directory (its checkpoints) or a Hugging Face model dir."""
+
+    path: Path
+    config: dict[str, Any] | None  # the run's resolved config; None for a model directory
+
+    @property
+    def is_run(self) -> bool:
+        return self.config is not None
+
+
+def resolve_target(path: str | Path) -> Target:
+    path = Path(path)
+    if (path / "config.yaml").exists():
+        return Target(path, RunStore(path).read_config())
+    if (path / "config.json").exists():
+        return Target(path, None)
+    raise FileNotFoundError(
+        f"{path}: neither a run directory (config.yaml) nor a Hugging Face model directory "
+        "(config.json)"
+    )
+
+
+def grader_version() -> dict[str, Any]:
+    """The grader's declared version (if any) and a hash of its source, so summaries graded by
+    different code are told apart."""
+    source = Path(grader.__file__).read_bytes()
+    return {
+        "module": "omgrpo.answers",
+        "version": getattr(grader, "GRADER_VERSION", None),
+        "source_sha256": hashlib.sha256(source).hexdigest()[:16],
+        "math_verify": bool(getattr(grader, "_MATH_VERIFY_ENABLED", True)),
+    }
+
+
+def eval_dir(target: Target, suite: Suite, checkpoint: str, out: str | Path | None) -> Path:
+    if out is not None:
+        return Path(out)
+    label = suite.name if checkpoint == "last" else f"{suite.name}-{checkpoint}"
+    if target.is_run:
+        return target.path / "eval" / label
+    return Path("evals") / target.path.name / label
+
+
+# ----------------------------------------------------------------------------------------
+# Loading the model
+# ----------------------------------------------------------------------------------------
+def _task_config(target: Target):
+    """The task whose toy test split `toy:test` means (the run's; else the toy preset's)."""
+    from omegaconf import OmegaConf
+
+    if target.is_run:
+        return OmegaConf.create(target.config).task
+    from omgrpo.config import compose
+
+    return compose(["experiment=toy"]).task
+
+
+def load_policy(target: Target, choice: Choice, device: str = "auto"):
+    """(model, tokenizer, model directory) with the chosen checkpoint's weights loaded."""
+    from omegaconf import OmegaConf
+
+    from omgrpo.checkpoint import STATE_FILE, verify_checkpoint
+    from omgrpo.models.loading import (
+        base_model_dir,
+        load_model,
+        load_tokenizer,
+        resolve_device,
+        resolve_dtype,
+    )
+    from omgrpo.tasks import load_task
+
+    if not target.is_run:
+        dev = resolve_device(device)
+        base = str(target.path)
+        return load_model(base, dev, resolve_dtype("auto", dev)), load_tokenizer(base), base
+    cfg = OmegaConf.create(target.config)
+    dev = resolve_device(cfg.model.device if device == "auto" else device)
+    base = base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
+    model = load_model(base, dev, resolve_dtype(cfg.model.dtype, dev))
+    if choice.path is not None:
+        verify_checkpoint(Path(choice.path))  # names a damaged file
+        state = torch.load(Path(choice.path) / STATE_FILE, map_location="cpu", weights_only=False)
+        model.load_state_dict(state["model"])
+    return model.eval(), load_tokenizer(base), base
+
+
+def make_sampler(backend: str, model, tokenizer, base: str, choice: Choice, batch_size: int):
+    if backend == "native":
+        return NativeSampler(model, tokenizer, batch_size)
+    if backend == "vllm":
+        model_dir = base
+        if choice.path is not None:  # vLLM loads weights from a HF directory
+            model_dir = str(Path(choice.path) / "hf")
+            if not (Path(model_dir) / "config.json").exists():
+                model.save_pretrained(model_dir)
+                tokenizer.save_pretrained(model_dir)
+        return VLLMSampler(model_dir, tokenizer)
+    raise ValueError(f"unknown backend '{backend}': native or vllm")
+
+
+# ----------------------------------------------------------------------------------------
+# One benchmark
+# ----------------------------------------------------------------------------------------
+def benchmark_problems(spec: BenchmarkSpec, target: Target) -> list[Problem]:
+    if spec.path == TOY_SOURCE:
+        from omgrpo.tasks.registry import TASKS
+
+        problems = TASKS["toy"](_task_config(target)).test
+        return problems[: spec.limit] if spec.limit else problems
+    return load_benchmark(
+        spec.path, spec.question_key, spec.answer_key, spec.answer_format, limit=spec.limit
+    )
+
+
+def sample_and_grade(
+    sampler: Sampler,
+    problems: list[Problem],
+    spec: BenchmarkSpec,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+) -> pd.DataFrame:
+    """One row per sample: the response, its boxed answer, whether it equals the gold answer
+    (`omgrpo.answers.equivalent`) and its answer class among the problem's k samples."""
+    rows = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        for start in range(0, len(problems), CHUNK_PROBLEMS):
+            chunk = problems[start : start + CHUNK_PROBLEMS]
+            for problem, texts in zip(chunk, sampler.generate(chunk, spec)):
+                boxed = [grader.extract_boxed(t) for t in texts]
+                found = [b.content if b else None for b in boxed]
+                classes = grader.cluster(found)
+                for i, (text, answer, cls) in enumerate(zip(texts, found, classes)):
+                    rows.append(
+                        {
+                            "prompt_id": problem.id,
+                            "sample": i,
+                            "question": problem.question,
+                            "text": text,
+                            "answer": answer,
+                            "gold": problem.answer,
+                            "correct": answer is not None
+                            and grader.equivalent(answer, problem.answer),
+                            "answer_class": cls,
+                        }
+                    )
+            progress(min(start + CHUNK_PROBLEMS, len(problems)), len(problems))
+    table = pd.DataFrame(rows)
+    table["answer_class"] = table["answer_class"].astype("Int64")
+    return table
+
+
+def summarize_table(table: pd.DataFrame, seed: int = 0) -> dict[str, Any]:
+    """Metrics and bootstrap CIs of a samples table (problems in order of appearance)."""
+    groups = [g.sort_values("sample") for _, g in table.groupby("prompt_id", sort=False)]
+    correct = [g["correct"].astype(bool).tolist() for g in groups]
+    classes = [[None if pd.isna(c) else int(c) for c in g["answer_class"]] for g in groups]
+    return {"n_problems": len(groups), **summarize(correct, classes, seed=seed)}
+
+
+# ----------------------------------------------------------------------------------------
+# The suite
+# ----------------------------------------------------------------------------------------
+def _progress_printer(name: str) -> Callable[[int, int], None]:
+    """A tqdm bar on a terminal; one plain line per chunk otherwise (logs, CI, sweeps)."""
+    start = time.perf_counter()
+    if sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        bar = tqdm(desc=name, unit="problem", dynamic_ncols=True)
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+            if done >= total:
+                bar.close()
+
+        return update
+
+    def line(done: int, total: int) -> None:
+        print(
+            f"  {name}: {done}/{total} problems ({time.perf_counter() - start:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return line
+
+
+def evaluate(
+    target_path: str | Path,
+    suite: Suite,
+    *,
+    checkpoint: str = "last",
+    select_metric: str = "val/acc",
+    select_split: str = "val",
+    backend: str = "native",
+    batch_size: int = 256,
+    device: str = "auto",
+    out: str | Path | None = None,
+    track: bool = True,
+    say: Callable[[str], None] = print,
+) -> Path:
+    """Evaluate a run's checkpoint (or a model directory) on every benchmark of `suite`;
+    returns the evaluation directory (with summary.json)."""
+    target = resolve_target(target_path)
+    if target.is_run:
+        test_paths = tuple(b.path for b in suite.benchmarks if b.path != TOY_SOURCE)
+        choice = choose_checkpoint(
+            target.path, checkpoint, target.config, select_metric, select_split, test_paths
+        )
+    else:
+        if checkpoint != "last":
+            raise ValueError(f"{target.path} is a model directory: --checkpoint must be 'last'")
+        choice = Choice("model", 0, None, f"the model directory {target.path}")
+    out_dir = eval_dir(target, suite, checkpoint, out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    version = grader_version()
+    say(f"evaluating {target.path} ({choice.why}) on suite '{suite.name}' -> {out_dir}")
+
+    model = sampler = None
+    results: dict[str, Any] = {}
+    for spec in suite.benchmarks:
+        marker = out_dir / f"{spec.name}.json"
+        settings = spec.settings()
+        if marker.exists():
+            done = json.loads(marker.read_text())
+            same = (
+                done.get("settings") == settings
+                and done.get("checkpoint", {}).get("path") == choice.path
+                and done.get("checkpoint", {}).get("step") == choice.step
+                and done.get("grader") == version
+                and (out_dir / f"{spec.name}.parquet").exists()
+            )
+            if same:
+                say(f"  {spec.name}: done before, kept ({marker})")
+                results[spec.name] = done
+                continue
+        problems = benchmark_problems(spec, target)
+        if sampler is None:
+            model, tokenizer, base = load_policy(target, choice, device)
+            sampler = make_sampler(backend, model, tokenizer, base, choice, batch_size)
+        start = time.perf_counter()
+        table = sample_and_grade(sampler, problems, spec, _progress_printer(spec.name))
+        seconds = time.perf_counter() - start
+        table.to_parquet(out_dir / f"{spec.name}.parquet", index=False)
+        entry = {
+            "benchmark": spec.name,
+            "k": spec.k,
+            **summarize_table(table, seed=spec.seed),
+            "settings": settings,
+            "checkpoint": choice.record(),
+            "grader": version,
+            "backend": sampler.name,
+            "seconds": round(seconds, 2),
+        }
+        marker.write_text(json.dumps(entry, indent=2) + "\n")
+        results[spec.name] = entry
+        m = entry["metrics"]
+        say(
+            f"  {spec.name}: avg@{spec.k} {m[f'avg@{spec.k}']:.4f}  pass@{spec.k} "
+            f"{m[f'pass@{spec.k}']:.4f}  maj@{spec.k} {m[f'maj@{spec.k}']:.4f}  "
+            f"extracted {m['extract_rate']:.3f}  ({len(problems)} problems, {seconds:.1f} s)"
+        )
+    summary = {
+        "suite": suite.name,
+        "target": str(target.path),
+        "run": _identity(target),
+        "checkpoint": choice.record(),
+        "grader": version,
+        "benchmarks": results,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    path = out_dir / "summary.json"
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    if track and target.is_run:
+        log_to_trackers(target, out_dir, summary, say)
+    return out_dir
+
+
+def _identity(target: Target) -> dict[str, Any]:
+    from omgrpo.tracking import run_method, run_scale
+
+    if not target.is_run:
+        return {"model": str(target.path)}
+    run = target.config.get("run") or {}
+    return {
+        "name": run.get("name", target.path.name),
+        "experiment": run.get("experiment"),
+        "variant": run.get("variant"),
+        "method": run_method(target.config),
+        "scale": run_scale(target.config),
+        "seed": target.config.get("seed"),
+        "ttt": bool((target.config.get("task") or {}).get("ttt")),
+    }
+
+
+def metric_rows(summary: dict[str, Any], label: str) -> dict[str, float]:
+    """Flat tracker metrics: `eval/<label>/<benchmark>/<metric>` (+ `_ci_low` / `_ci_high`)."""
+    out = {}
+    for bench, entry in summary["benchmarks"].items():
+        for name, value in entry["metrics"].items():
+            out[f"eval/{label}/{bench}/{name}"] = value
+        for name, (lo, hi) in entry["ci95"].items():
+            out[f"eval/{label}/{bench}/{name}_ci_low"] = lo
+            out[f"eval/{label}/{bench}/{name}_ci_high"] = hi
+    return out
+
+
+def log_to_trackers(target: Target, out_dir: Path, summary: dict, say) -> None:
+    """Add the metrics (at the checkpoint's step) and the evaluation files to the run's MLflow
+    / W&B run (`omgrpo.tracking`: continuing the run of this directory, with the run store's
+    history replayed where a backend opens a new one); a failing backend only warns."""
+    from omgrpo.tracking import build_trackers
+
+    config = target.config
+    tracking = config.get("tracking") or {}
+    if not (tracking.get("mlflow") or tracking.get("wandb")):
+        return
+    steps = RunStore(target.path).read_metrics()
+    last = int(steps["train/step"].max()) if "train/step" in steps else 0
+    tracker = build_trackers(tracking, target.path.parent)
+    run = config.get("run") or {}
+    tracker.start(
+        target.path,
+        config,
+        name=run.get("name", target.path.name),
+        group=run.get("experiment"),
+        tags=list(run.get("tags") or []),
+        resume_step=last,
+    )
+    with tracker:
+        tracker.log_metrics(summary["checkpoint"]["step"], metric_rows(summary, out_dir.name))
+        tracker.log_artifact(out_dir)
+    say(f"  logged to {', '.join(tracker.active) or 'no tracker (all failed)'}")
