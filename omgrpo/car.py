@@ -52,23 +52,16 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from omgrpo.answers import cluster
-from omgrpo.rollout import (
-    common_prefix_len,
-    decode_step,
-    left_pad,
-    sample_next_token,
-    stop_token_ids,
-)
-from omgrpo.tasks import build_messages
+from omgrpo.engine import decode, prefix_tree_forward, stop_token_ids
+from omgrpo.tasks import render_prompt
 
 __all__ = [
     "CAR_INTRO",
@@ -83,7 +76,6 @@ __all__ = [
     "generate_pair_answers",
     "generate_pair_answers_plain",
     "parse_pair_answer",
-    "prefix_tree_forward",
     "top_vote_acc",
     "top_vote_metrics",
 ]
@@ -186,19 +178,10 @@ def enumerate_pairs(
     return pairs
 
 
-def _prompt_head(tokenizer: Any, question: str) -> str:
-    """The chat-template part of the CAR prompt (system + question + assistant header), the
-    same text as the rollout prompt (`omgrpo.tasks.PromptEncoder`)."""
-    messages = build_messages(question)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"{messages[0]['content']}\n\n{question}\n"  # base models without a template
-
-
 def car_prompt(tokenizer: Any, question: str, solution_1: str, solution_2: str) -> str:
     """The paper's CAR prompt: the model's chat template (system prompt of the paper, the
     question, an open assistant turn) followed by the two solutions and an opened `\\boxed{`."""
-    return car_text(_prompt_head(tokenizer, question), solution_1, solution_2)
+    return car_text(render_prompt(tokenizer, question), solution_1, solution_2)
 
 
 def car_text(head: str, solution_1: str, solution_2: str) -> str:
@@ -268,94 +251,8 @@ def _truncate(tokenizer: Any, texts: list[str], max_tokens: int) -> tuple[list[s
 
 
 # ----------------------------------------------------------------------------------------
-# Prefix-tree prefill and brace-aware decoding
+# Brace-aware stop rule
 # ----------------------------------------------------------------------------------------
-def _select_rows(cache: DynamicCache, index: torch.Tensor, batch: int) -> None:
-    """Re-index the cache's batch dimension in place (broadcast without copy from batch 1)."""
-    for layer in cache.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        if batch == 1:
-            layer.keys = layer.keys.expand(len(index), -1, -1, -1)
-            layer.values = layer.values.expand(len(index), -1, -1, -1)
-        else:
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
-
-
-def prefix_tree_forward(
-    model: torch.nn.Module,
-    rows: list[list[int]],
-    levels: Sequence[Sequence[Hashable]],
-    pad_id: int,
-):
-    """Forward every row, computing each shared prefix once along a tree of row groupings.
-
-    `levels[l][r]` is row r's node at level l, coarse to fine and nested (rows sharing a node at
-    level l share it at every coarser level). A node's tokens are the common token prefix of its
-    rows beyond its parent's (every row keeps at least one token of its own); nodes of a level
-    are run as one left-padded batch on top of their parents' KV cache, then each row runs its
-    own remaining tokens; identical rows (e.g. pairs of identical solutions, common once a
-    group agrees) are computed once and their cache is copied. With no levels this is the plain
-    left-padded forward.
-
-    Returns (logits of each row's last token (R, V), KV cache, attention mask (R, W), next
-    position id (R, 1)); the cache holds padding between levels, masked out by the mask.
-    """
-    device = next(model.parameters()).device
-    n_rows = len(rows)
-    cache, mask = DynamicCache(), torch.zeros((1, 0), dtype=torch.long, device=device)
-    done = [0] * n_rows  # tokens of each row already in the cache
-    parent_of = [0] * n_rows  # row -> index of its node in the current cache batch
-    logits = None
-    all_levels = [*levels, [tuple(row) for row in rows]]
-    for depth, keys in enumerate(all_levels):
-        final = depth == len(all_levels) - 1
-        node_ids: dict[Hashable, int] = {}
-        members: list[list[int]] = []
-        for r, key in enumerate(keys):
-            if key not in node_ids:
-                node_ids[key] = len(members)
-                members.append([])
-            members[node_ids[key]].append(r)
-        chunks, ends = [], []
-        for rs in members:
-            first, start = rows[rs[0]], done[rs[0]]
-            if final:
-                end = len(first)
-            else:
-                common = common_prefix_len([rows[r] for r in rs])
-                end = max(start, min(common, min(len(rows[r]) for r in rs) - 1))
-            chunks.append(first[start:end])
-            ends.append(end)
-        if not final and not any(chunks):
-            continue  # nothing shared at this level: the rows stay on their parents' nodes
-        parents = torch.tensor([parent_of[rs[0]] for rs in members], device=device)
-        _select_rows(cache, parents, mask.shape[0])
-        mask = mask.index_select(0, parents)
-        ids, new_mask = (t.to(device) for t in left_pad(chunks, pad_id))
-        base = mask.sum(-1, keepdim=True)
-        positions = (base + new_mask.cumsum(-1) - 1).clamp(min=0)
-        mask = torch.cat([mask, new_mask], dim=1)
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1, :]
-        for node, rs in enumerate(members):
-            for r in rs:
-                done[r], parent_of[r] = ends[node], node
-    if len(members) < n_rows:  # duplicates: one copy of the cache per row for decoding
-        rows_to_nodes = torch.tensor(parent_of, device=device)
-        _select_rows(cache, rows_to_nodes, len(members))
-        mask, logits = mask.index_select(0, rows_to_nodes), logits.index_select(0, rows_to_nodes)
-    next_pos = mask.sum(-1, keepdim=True)
-    return logits, cache, mask, next_pos
-
-
 class _BraceTracker:
     """Per-row brace depth over decoded token pieces: a row is closed once the `{` opened by
     the prompt is closed (the same scan as `parse_pair_answer`)."""
@@ -376,46 +273,34 @@ class _BraceTracker:
         return close >= 0
 
 
-def _decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg) -> list[list[int]]:
-    """Sample up to `max_new_tokens` per row, stopping a row at the closing brace or an eos,
-    and the whole batch once every row has stopped. Once an eighth of the batch has stopped,
-    those rows are dropped from the batch and its KV cache. Returns each row's tokens (closing
-    piece included, eos excluded)."""
-    device = mask.device
-    n_rows = logits.shape[0]
+def _decode_answers(model, tokenizer, prefill, cfg) -> list[list[int]]:
+    """Sample up to `max_new_tokens` per row (`omgrpo.engine.decode`), a row stopping at the
+    brace that closes the prompt's `\\boxed{` or at an eos. Returns each row's tokens (closing
+    piece and eos included)."""
+    logits, cache, mask, next_pos = prefill
     stops = set(stop_token_ids(tokenizer, model))
-    braces = _BraceTracker(tokenizer, n_rows)
-    out: list[list[int]] = [[] for _ in range(n_rows)]
-    batch = list(range(n_rows))  # row at each batch position, -1 once it has stopped
+    braces = _BraceTracker(tokenizer, logits.shape[0])
+
+    def stop(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        ended = [
+            tok in stops or braces.closes(r, tok) for r, tok in zip(rows.tolist(), tokens.tolist())
+        ]
+        return torch.tensor(ended, dtype=torch.bool, device=tokens.device)
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    for step in range(cfg.max_new_tokens):
-        toks = sample_next_token(logits, cfg.temperature, cfg.top_p)
-        keep = []  # batch positions still open
-        for p, tok in enumerate(toks.tolist()):
-            r = batch[p]
-            if r < 0:
-                continue
-            if tok not in stops:
-                out[r].append(tok)
-                if not braces.closes(r, tok):
-                    keep.append(p)
-                    continue
-            batch[p] = -1
-        if not keep or step == cfg.max_new_tokens - 1:
-            break
-        if len(keep) <= 0.875 * len(batch):
-            idx = torch.tensor(keep, device=device)
-            _select_rows(cache, idx, len(batch))
-            mask, next_pos, toks = mask[idx], next_pos[idx], toks[idx]
-            batch = [batch[p] for p in keep]
-        else:
-            stopped = torch.tensor([r < 0 for r in batch], device=device)
-            toks = toks.masked_fill(stopped, pad)
-        ones = torch.ones((len(batch), 1), dtype=mask.dtype, device=device)
-        mask = torch.cat([mask, ones], dim=-1)
-        logits = decode_step(model, toks, mask, next_pos, cache)
-        next_pos = next_pos + 1
-    return out
+    tokens, lengths = decode(
+        model,
+        logits[:, -1, :],
+        cache,
+        mask,
+        next_pos,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        stop=stop,
+        pad_id=pad,
+    )
+    return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
 
 # ----------------------------------------------------------------------------------------
@@ -482,7 +367,7 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
         cut, n_cut = _truncate(tokenizer, list(sols), cfg.max_solution_tokens)
         truncated += n_cut
         solutions.append(cut)
-        heads.append(_prompt_head(tokenizer, question))
+        heads.append(render_prompt(tokenizer, question))
         pairs.append(enumerate_pairs(len(sols), cfg.pairs_per_anchor, rng))
 
     # Rows in (group, anchor, partner) order; anchors are never split across chunks.
@@ -502,9 +387,9 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
                 [g for g, _, _ in keys],
                 [(g, solutions[g][i]) for g, i, _ in keys],
             ]
-        logits, cache, mask, next_pos = prefix_tree_forward(model, rows, levels, pad)
-        generated.extend(_decode_answers(model, tokenizer, logits, cache, mask, next_pos, cfg))
-        del cache
+        prefill = prefix_tree_forward(model, rows, levels, pad)
+        generated.extend(_decode_answers(model, tokenizer, prefill, cfg))
+        del prefill
 
     result = CarResult(
         pairs=pairs,

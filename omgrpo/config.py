@@ -133,6 +133,9 @@ class ModelConfig:
     """Toy: attention heads."""
     num_kv_heads: int = 2
     """Toy: key/value heads (GQA, as Qwen3)."""
+    tokenizer: str = "bpe"
+    """Toy: `bpe` (byte-level BPE trained on toy-world text, digits one per token, as Qwen and
+    Llama) or `char` (one token per character)."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Toy: SFT warm start that makes the base model; cached on disk by its settings."""
     cache_dir: str = ".cache/omgrpo"

@@ -12,9 +12,20 @@ import math
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
+from omgrpo.engine import decode, left_pad, prefix_tree_forward, right_pad, stop_token_ids
 from omgrpo.losses import token_logprobs_and_entropy
+
+# left_pad, right_pad and stop_token_ids live in omgrpo.engine; importable from here too.
+__all__ = [
+    "Sequences",
+    "left_pad",
+    "response_logits",
+    "right_pad",
+    "sample",
+    "score",
+    "stop_token_ids",
+]
 
 
 @dataclass
@@ -46,43 +57,8 @@ class Sequences:
         )
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
-
-
-def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, : len(s)] = 1
-    return ids, mask
-
-
 def _positions(mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,). temperature 0 is greedy."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1).squeeze(-1)
 
 
 @torch.no_grad()
@@ -100,59 +76,45 @@ def sample(
 ) -> Sequences:
     """Sample `n` responses per prompt with a KV cache; rows [i*n, (i+1)*n) belong to prompt i.
 
-    `eos_id` may list several stop tokens (chat models end turns with e.g. `<|im_end|>` while
-    their tokenizer's eos is `<|endoftext|>`). Uses the global torch RNG, so a checkpoint's
-    RNG state reproduces the samples.
+    The prompts' common prefix (the chat template's system turn) is prefilled once and each
+    prompt once for its n rollouts (`omgrpo.engine`). `eos_id` may list several stop tokens
+    (chat models end turns with e.g. `<|im_end|>` while their tokenizer's eos is
+    `<|endoftext|>`). `batch_size` bounds the rollouts generated at once (whole prompts). Uses
+    the global torch RNG, so a checkpoint's RNG state reproduces the samples.
     """
-    expanded = [p for p in prompts for _ in range(n)]
-    chunk = batch_size or len(expanded)
+    per_chunk = max(1, (batch_size or n * len(prompts)) // n)
     parts = [
         _sample_chunk(
-            model, expanded[i : i + chunk], max_new_tokens, temperature, top_p, eos_id, pad_id
+            model, prompts[i : i + per_chunk], n, max_new_tokens, temperature, top_p, eos_id, pad_id
         )
-        for i in range(0, len(expanded), chunk)
+        for i in range(0, len(prompts), per_chunk)
     ]
     return _concat(parts, pad_id)
 
 
-def _sample_chunk(model, prompts, max_new_tokens, temperature, top_p, eos_id, pad_id):
+def _sample_chunk(model, prompts, n, max_new_tokens, temperature, top_p, eos_id, pad_id):
     device = next(model.parameters()).device
     stops = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=device)
-    batch = len(prompts)
-    logits, cache, mask, next_pos = shared_prefix_forward(model, prompts, pad_id, use_cache=True)
-    logits = logits[:, -1, :]
-    tokens, alive = [], torch.ones(batch, dtype=torch.bool, device=device)
-    for _ in range(max_new_tokens):
-        tok = sample_next_token(logits, temperature, top_p)
-        tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
-        tokens.append(tok)
-        alive = alive & ~torch.isin(tok, stops)
-        if not alive.any():
-            break
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], -1)
-        logits = decode_step(model, tok, mask, next_pos, cache)
-        next_pos = next_pos + 1
-    response = torch.stack(tokens, dim=1)
-    # A token is part of the response up to and including the first eos.
-    is_stop = torch.isin(response, stops.cpu() if response.device.type == "cpu" else stops).long()
-    before_eos = is_stop.cumsum(-1) - is_stop
-    response_mask = (before_eos == 0).long()
-    response = response.masked_fill(response_mask == 0, pad_id)
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    logits, cache, mask, next_pos = prefix_tree_forward(
+        model, prompts, [[0] * len(prompts)], pad_id
+    )
+    response, lengths = decode(
+        model,
+        logits[:, -1, :],
+        cache,
+        mask,
+        next_pos,
+        group=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        stop=lambda rows, tokens: torch.isin(tokens, stops),
+        pad_id=pad_id,
+    )
+    # A token is part of the response up to and including the first stop token.
+    response_mask = (torch.arange(response.shape[1], device=device) < lengths[:, None]).long()
+    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(n)], pad_id)
     return Sequences(prompt_ids, prompt_mask, response.cpu(), response_mask.cpu())
-
-
-def decode_step(model: torch.nn.Module, tokens, mask, positions, cache) -> torch.Tensor:
-    """Next-token logits (B, V) after feeding one new token per row on top of a KV cache
-    (`mask` already includes the new position)."""
-    return model(
-        input_ids=tokens[:, None],
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1, :]
 
 
 def _concat(parts: list[Sequences], pad_id: int) -> Sequences:
@@ -178,20 +140,21 @@ def response_logits(
 ) -> torch.Tensor:
     """Logits (B, T, V) predicting each response token (with grad if enabled).
 
-    With `share_prefix` the prompts' common prefix (the system prompt of the chat template) is
-    run once and its KV cache broadcast to every row, which halves the toy world's compute; the
-    result equals the plain forward up to float round-off (tested).
+    With `share_prefix` the prompts' common prefix (the chat template's system turn) is run
+    once, and each distinct prompt once for all of its rollouts, their KV caches reused by the
+    rows below (`omgrpo.engine.prefix_tree_forward`); the result equals the plain forward up to
+    float round-off (tested).
     """
     device = next(model.parameters()).device
     t = seqs.response_ids.shape[1]
     if share_prefix:
         prompts = [row[m.bool()].tolist() for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)]
-        logits, *_ = shared_prefix_forward(
+        logits, *_ = prefix_tree_forward(
             model,
             prompts,
+            [[0] * len(prompts), [tuple(p) for p in prompts]],
             pad_id,
-            tail_ids=seqs.response_ids.to(device),
-            tail_mask=seqs.response_mask.to(device),
+            tail=(seqs.response_ids, seqs.response_mask),
             logits_to_keep=t + 1,
         )
         return logits[:, :-1, :]
@@ -202,65 +165,6 @@ def response_logits(
         input_ids=ids, attention_mask=mask, position_ids=_positions(mask), logits_to_keep=t + 1
     ).logits
     return logits[:, :-1, :]
-
-
-def common_prefix_len(rows: list[list[int]]) -> int:
-    first, n = rows[0], min(len(r) for r in rows)
-    for i in range(n):
-        if any(r[i] != first[i] for r in rows):
-            return i
-    return n
-
-
-def shared_prefix_forward(
-    model: torch.nn.Module,
-    prompts: list[list[int]],
-    pad_id: int,
-    tail_ids: torch.Tensor | None = None,
-    tail_mask: torch.Tensor | None = None,
-    logits_to_keep: int = 1,
-    use_cache: bool = False,
-):
-    """Forward `prompt_i + tail_i` for every row, computing the rows' common prefix once.
-
-    Layout: [shared prefix (L)] [left-padded rest of each prompt] [tail (right-padded)].
-    Returns (logits of the last `logits_to_keep` positions, KV cache, attention mask (B, L+R),
-    next position id (B, 1)).
-    """
-    device = next(model.parameters()).device
-    batch = len(prompts)
-    # Every row keeps at least one own token so the last prompt position is always computed.
-    shared = max(0, min(common_prefix_len(prompts), min(len(p) for p in prompts) - 1))
-    rest_ids, rest_mask = (x.to(device) for x in left_pad([p[shared:] for p in prompts], pad_id))
-    if tail_ids is not None:
-        rest_ids = torch.cat([rest_ids, tail_ids.to(device)], dim=1)
-        rest_mask = torch.cat([rest_mask, tail_mask.to(device, rest_mask.dtype)], dim=1)
-    cache = DynamicCache()
-    if shared:
-        prefix = torch.tensor([prompts[0][:shared]], device=device)
-        model(
-            input_ids=prefix,
-            position_ids=torch.arange(shared, device=device)[None],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        for layer in cache.layers:  # broadcast, no copy; gradients flow back through expand
-            layer.keys = layer.keys.expand(batch, -1, -1, -1)
-            layer.values = layer.values.expand(batch, -1, -1, -1)
-    ones = torch.ones((batch, shared), dtype=rest_mask.dtype, device=device)
-    mask = torch.cat([ones, rest_mask], dim=1)
-    positions = (shared + rest_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(
-        input_ids=rest_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=logits_to_keep,
-    )
-    next_pos = shared + rest_mask.sum(-1, keepdim=True)
-    return out.logits, (cache if use_cache else None), mask, next_pos
 
 
 def score(
@@ -288,16 +192,3 @@ def score(
                 mean_logp = torch.log_softmax(logits, -1).mean(-1)
                 out["self_certainty"].append((-mean_logp - math.log(logits.shape[-1])).cpu())
     return {k: torch.cat(v) for k, v in out.items()}
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """Tokens that end a response: the tokenizer's eos, the model's generation-config eos
-    ids, and the chat template's end-of-turn token when the vocabulary has one."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    for token in ("<|im_end|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)

@@ -5,6 +5,7 @@ One step (`train_step`), top to bottom:
   2. sample G rollouts per prompt with the current policy              time/gen
   3. CAR: the policy answers pairs of its own solutions (pool only)    time/car
   4. old and reference log-probs (+ token entropy, self-certainty)    time/old_logprob, ref
+     (no old pass with one update per step: the update's own forward gives them)
   5. `omgrpo.step.score_step`: answers, answer-token masks, rewards   time/reward
      over each group (soft vote + format for OM-GRPO), GRPO advantages
   6. PPO epochs over mini-batches of the clipped surrogate + k3 KL,   time/update
@@ -187,8 +188,12 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         problems = problems + [_paraphrased(p) for p in problems]
     seqs, car = generate(run, problems, state.step, timer)
     need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
-    with timer("old_logprob"):
-        old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
+    # with a single update per step the old policy is the updated one: the update reuses its
+    # own forward for the old log-probs (no extra pass)
+    old = {"logprobs": None}
+    if need_stats or not single_update(cfg.algorithm, len(seqs)):
+        with timer("old_logprob"):
+            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
     ref_logprobs = None
     if run.ref is not None:
         with timer("ref_logprob"):
@@ -448,6 +453,12 @@ def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) ->
     return out
 
 
+def single_update(algo, batch: int) -> bool:
+    """One optimizer step per training step (one PPO epoch, one mini-batch): the old policy's
+    log-probs are then the update's own, detached."""
+    return algo.ppo_epochs == 1 and (algo.mini_batch_size or batch) >= batch
+
+
 def ppo_update(
     policy,
     optimizer,
@@ -480,7 +491,7 @@ def ppo_update(
                 logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
                 loss, metrics = grpo_loss(
                     logprobs,
-                    old_logprobs[idx].to(device),
+                    logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
                     None if ref_logprobs is None else ref_logprobs[idx].to(device),
                     advantages[idx].to(device),
                     part.response_mask,

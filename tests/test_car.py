@@ -20,10 +20,10 @@ from omgrpo.car import (
     generate_pair_answers,
     generate_pair_answers_plain,
     parse_pair_answer,
-    prefix_tree_forward,
     top_vote_acc,
     top_vote_metrics,
 )
+from omgrpo.engine import prefix_tree_forward
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
 from omgrpo.rewards import REWARDS, make_group
@@ -44,10 +44,11 @@ def _no_math_verify(monkeypatch):
     monkeypatch.setattr(answers_module, "_MATH_VERIFY_ENABLED", False)
 
 
-def _toy(num_layers: int, seed: int):
+def _toy(num_layers: int, seed: int, num_heads: int = 2, num_kv_heads: int = 1):
     """A random toy Qwen3 with an untied random output layer, so greedy tokens vary by row."""
     tok = build_char_tokenizer()
-    cfg = OmegaConf.create(dict(hidden_size=32, num_layers=num_layers, num_heads=2, num_kv_heads=1))
+    arch = dict(hidden_size=32, num_layers=num_layers, num_heads=num_heads)
+    cfg = OmegaConf.create(dict(arch, num_kv_heads=num_kv_heads))
     model = build_toy_model(cfg, tok, seed=seed).eval()
     head = torch.nn.Linear(32, len(tok), bias=False)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from omgrpo.answers import extract_boxed
-from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
 from omgrpo.spans import (
     _incremental_offsets,
     answer_mask_for_ids,
@@ -71,6 +71,12 @@ def bpe_tok() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def bpe_regex_tok() -> PreTrainedTokenizerFast:
     return _train_byte_bpe(use_regex=True)
+
+
+@pytest.fixture(scope="module")
+def toy_bpe_tok() -> PreTrainedTokenizerFast:
+    """The toy presets' BPE (Qwen2's split: one digit per token) on this file's corpus."""
+    return build_tokenizer("bpe", _corpus())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -174,7 +180,7 @@ def test_no_valid_box_all_false(char_tok, bpe_tok, text):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("which", ["bpe_tok", "bpe_regex_tok"])
+@pytest.mark.parametrize("which", ["bpe_tok", "bpe_regex_tok", "toy_bpe_tok"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_bpe_mask_alignment(request, which, text):
     tok = request.getfixturevalue(which)

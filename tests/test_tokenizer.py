@@ -1,4 +1,4 @@
-"""The toy world's character-level fast tokenizer."""
+"""The toy world's fast tokenizers: character-level and byte-level BPE."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import string
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from omgrpo.models.tokenizer import CHARS, build_char_tokenizer
+from omgrpo.config import TaskConfig
+from omgrpo.models.tokenizer import CHARS, build_char_tokenizer, build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,54 @@ def test_save_load_roundtrip(tok, tmp_path):
     assert loaded.apply_chat_template(
         msgs, tokenize=False, add_generation_prompt=True
     ) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+# -- the toy BPE (the toy presets' default) -------------------------------------------------
+@pytest.fixture(scope="module")
+def bpe():
+    from omegaconf import OmegaConf
+
+    from omgrpo.models.toy import TOKENIZER_PROBLEMS, toy_corpus
+    from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems
+
+    world = dict(max_start=10, max_operand=10, max_factor=3, max_value=50)
+    spec = ToyWorldSpec.from_config(OmegaConf.merge(OmegaConf.structured(TaskConfig), world))
+    problems = generate_sft_problems(TOKENIZER_PROBLEMS, 0, spec, set())
+    return build_tokenizer("bpe", toy_corpus(problems))
+
+
+def test_bpe_splits_digits_one_per_token_and_keeps_template_words_whole(bpe):
+    text = "Evaluate left to right: 12+305*2\nSo the answer is \\boxed{610}."
+    pieces = [bpe.decode([i]) for i in bpe(text, add_special_tokens=False)["input_ids"]]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("12305261" + "0")
+    for word in ("Evaluate", " left", " answer", "boxed"):
+        assert word in pieces
+    assert len(pieces) < 0.6 * len(text)
+
+
+def test_bpe_special_tokens_ids_eos_pad_and_template_match_the_char_tokenizer(bpe, tok):
+    assert bpe.is_fast and bpe.padding_side == "left"
+    for name in ("pad_token_id", "eos_token_id", "chat_template"):
+        assert getattr(bpe, name) == getattr(tok, name)
+    text = "<|im_start|>user\nHi<|im_end|>\n"
+    assert bpe.convert_ids_to_tokens(bpe(text)["input_ids"])[0] == "<|im_start|>"
+    assert bpe(text)["input_ids"].count(bpe.eos_token_id) == 1
+
+
+@pytest.mark.parametrize("text", ["so 3+4=7\n\n  \\boxed{7}.", "é ü ∑ unseen: ~`|", ""])
+def test_bpe_offsets_are_character_offsets_and_decoding_round_trips(bpe, text):
+    enc = bpe(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert bpe.decode(enc["input_ids"]) == text  # byte-level: no unknown token
+    if text.isascii():
+        assert [text[a:b] for a, b in enc["offset_mapping"]] == [
+            bpe.decode([i]) for i in enc["input_ids"]
+        ]
+
+
+def test_bpe_save_load_roundtrip_and_unknown_name(bpe, tmp_path):
+    bpe.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "Evaluate left to right: 7+5*3"
+    assert loaded(text)["input_ids"] == bpe(text)["input_ids"]
+    with pytest.raises(ValueError, match=r"unknown model\.tokenizer 'wordpiece'; valid: bpe, char"):
+        build_tokenizer("wordpiece", [])

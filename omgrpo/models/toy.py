@@ -22,17 +22,19 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
 from omgrpo.basecheck import write_base_checks
-from omgrpo.car import car_prompt
+from omgrpo.car import car_prompt, car_text
 from omgrpo.console import Progress, quiet_library_bars
+from omgrpo.engine import left_pad, right_pad
 from omgrpo.losses import token_logprobs_and_entropy
-from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.rollout import Sequences, left_pad, response_logits, right_pad
-from omgrpo.tasks.base import build_messages
+from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
+from omgrpo.rollout import Sequences, response_logits
+from omgrpo.tasks.base import render_prompt
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
 # Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.
 TOY_BASE_VERSION = 1
 SFT_PROBLEMS = 20_000
+TOKENIZER_PROBLEMS = 2_000  # the toy BPE's vocabulary saturates well before
 
 
 def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> Qwen3ForCausalLM:
@@ -65,6 +67,8 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
         warm_start.pop("car_share", None)
     spec = {
         "version": TOY_BASE_VERSION,
+        # char bases keep the key they had before the tokenizer became a setting
+        **({} if model_cfg.tokenizer == "char" else {"tokenizer": model_cfg.tokenizer}),
         "arch": [
             model_cfg.hidden_size,
             model_cfg.num_layers,
@@ -84,12 +88,12 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     out = Path(model_cfg.cache_dir) / f"toy-base-{key}"
     if (out / "config.json").exists():
         return out
-    tokenizer = build_char_tokenizer()
     ws = model_cfg.warm_start
     print(f"warm start: training the toy base ({ws.steps} SFT steps) into {out}", flush=True)
-    model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     spec = ToyWorldSpec.from_config(task_cfg)
     problems = generate_sft_problems(SFT_PROBLEMS, ws.seed, spec, exclude_questions)
+    tokenizer = build_tokenizer(model_cfg.tokenizer, toy_corpus(problems[:TOKENIZER_PROBLEMS]))
+    model = build_toy_model(model_cfg, tokenizer, seed=ws.seed)
     car = car_examples(tokenizer, problems, spec, ws.seed) if ws.car_share > 0 else []
     start = time.perf_counter()
     losses = sft(
@@ -134,20 +138,30 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     return out
 
 
+def toy_corpus(problems: list) -> list[str]:
+    """Text the toy BPE is trained on: rendered prompts with their worked solutions, and the
+    CAR template (ChatML rendered by the character tokenizer, which carries the same
+    template)."""
+    chatml = build_char_tokenizer()
+    return [render_prompt(chatml, p.question) + p.solution for p in problems] + [
+        car_text("", "", "")
+    ]
+
+
 Example = tuple[list[int], list[int]]  # (prompt ids, target ids); the loss is on the target
 
 
 def solution_examples(tokenizer: PreTrainedTokenizerBase, problems: list) -> list[Example]:
-    """Question -> worked solution + EOS, in the rollout prompt format."""
-    examples = []
-    for p in problems:
-        prompt = tokenizer.apply_chat_template(
-            build_messages(p.question), tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        target_ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"]
-        examples.append((prompt_ids, [*target_ids, tokenizer.eos_token_id]))
-    return examples
+    """Question -> worked solution + EOS, in the rollout prompt format. The toy's ChatML
+    template puts the question in verbatim, so it is rendered once and every prompt is
+    tokenized in one batch call (rendering 20k prompts one by one took most of a minute)."""
+    slot = "\x00"
+    head, tail = render_prompt(tokenizer, slot).split(slot)
+    texts = [head + p.question + tail for p in problems]
+    assert not problems or texts[0] == render_prompt(tokenizer, problems[0].question)
+    prompts = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    targets = tokenizer([p.solution for p in problems], add_special_tokens=False)["input_ids"]
+    return [(a, [*b, tokenizer.eos_token_id]) for a, b in zip(prompts, targets)]
 
 
 def car_examples(

@@ -4,7 +4,7 @@ A task yields `Problem`s split into train / val / test. `load_task(cfg)` picks o
 `check_prompt_lengths` checks at setup that every prompt fits `rollout.max_prompt_len`.
 """
 
-from omgrpo.tasks.base import SYSTEM_PROMPT, Problem, TaskSplits, build_messages
+from omgrpo.tasks.base import SYSTEM_PROMPT, Problem, TaskSplits, build_messages, render_prompt
 from omgrpo.tasks.prompts import PromptEncoder, check_prompt_lengths
 from omgrpo.tasks.registry import TASKS, load_task
 
@@ -17,4 +17,5 @@ __all__ = [
     "build_messages",
     "check_prompt_lengths",
     "load_task",
+    "render_prompt",
 ]

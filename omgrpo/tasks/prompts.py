@@ -3,7 +3,7 @@ that every prompt a run can draw fits `rollout.max_prompt_len`."""
 
 from __future__ import annotations
 
-from omgrpo.tasks.base import SYSTEM_PROMPT, Problem, TaskSplits, build_messages
+from omgrpo.tasks.base import SYSTEM_PROMPT, Problem, TaskSplits, render_prompt
 
 SHOWN_ROWS = 10  # over-long prompts listed by name in the setup error
 
@@ -19,13 +19,7 @@ class PromptEncoder:
     def tokens(self, question: str) -> list[int]:
         """The prompt's token ids, whatever their length."""
         if question not in self.cache:
-            messages = build_messages(question, self.system_prompt)
-            if self.tokenizer.chat_template:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=True
-                )
-            else:  # base models without a template: the same content as plain text
-                text = f"{messages[0]['content']}\n\n{question}\n"
+            text = render_prompt(self.tokenizer, question, self.system_prompt)
             self.cache[question] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         return self.cache[question]
 

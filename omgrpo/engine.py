@@ -1,0 +1,376 @@
+"""The generation engine shared by the rollout sampler, the scorer and CAR's pair answers.
+
+Prefill (`prefix_tree_forward`): rows are grouped along a tree of shared prefixes (e.g. system
+prompt -> question -> rows), every prefix is computed once and its KV cache reused by the rows
+below it; identical rows are computed once.
+
+Decode (`decode`): one token per row per step on top of the prefill, a stop rule per row, and the
+batch ends once every row has stopped. Two interchangeable backends:
+
+- `_LeanKV`, for Llama-family decoders (Llama, Qwen2, Qwen3): the model's own modules, a KV cache
+  preallocated for the new tokens, and attention split into the shared prefix (kept once per
+  prefix node and read by all of its rows, never copied per row) and each row's own new tokens.
+  It skips the per-call work of an HF forward (mask building, cache concatenation, repeating KV
+  heads), which is most of a decode step for a small model.
+- `_HFKV`, for any causal LM: the HF forward on a `DynamicCache` (the reference the fast path is
+  tested against).
+
+Layout: a prefill is left-padded per tree level, so the cache holds padding that an attention
+mask (1 = real token) hides; position ids count real tokens only, so padding never changes a
+row's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+# Decoder families `_LeanKV` implements: pre-norm blocks, rotary attention with grouped KV heads
+# (optional per-head q/k norms, as Qwen3), gated MLP, no sliding window or logit soft-capping.
+LEAN_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, max len), rows aligned to the right."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
+    return ids, mask
+
+
+def right_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, mask), both (B, max len), rows aligned to the left."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
+def common_prefix_len(rows: list[list[int]]) -> int:
+    first, n = rows[0], min(len(r) for r in rows)
+    for i in range(n):
+        if any(r[i] != first[i] for r in rows):
+            return i
+    return n
+
+
+# ----------------------------------------------------------------------------------------
+# Stop rule and sampling
+# ----------------------------------------------------------------------------------------
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """Tokens that end a response: the tokenizer's eos, the model's generation-config eos
+    ids, and the chat template's end-of-turn token when the vocabulary has one."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, list) else [configured])
+    for token in ("<|im_end|>", "<|eot_id|>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,). temperature 0 is greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------
+# Prefill
+# ----------------------------------------------------------------------------------------
+def select_rows(cache: DynamicCache, index: torch.Tensor, batch: int) -> None:
+    """Re-index the cache's batch dimension in place (broadcast without copy from batch 1)."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if batch == 1:
+            layer.keys = layer.keys.expand(len(index), -1, -1, -1)
+            layer.values = layer.values.expand(len(index), -1, -1, -1)
+        else:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+
+def prefix_tree_forward(
+    model: torch.nn.Module,
+    rows: list[list[int]],
+    levels: Sequence[Sequence[Hashable]],
+    pad_id: int,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+    logits_to_keep: int = 1,
+):
+    """Forward every row, computing each shared prefix once along a tree of row groupings.
+
+    `levels[l][r]` is row r's node at level l, coarse to fine and nested (rows sharing a node at
+    level l share it at every coarser level). A node's tokens are the common token prefix of its
+    rows beyond its parent's (every row keeps at least one token of its own); nodes of a level
+    are run as one left-padded batch on top of their parents' KV cache, then each row runs its
+    own remaining tokens; identical rows (e.g. pairs of identical solutions, common once a
+    group agrees) are computed once and their cache is copied. With no levels this is the plain
+    left-padded forward.
+
+    `tail` = (ids, mask), both (R, T), right-padded tokens appended after each row (responses
+    to score; rows are then never merged), with `logits_to_keep` the positions whose logits are
+    returned. Gradients flow through the shared prefixes.
+
+    Returns (logits of the last `logits_to_keep` positions (R, K, V), KV cache, attention mask
+    (R, W), next position id (R, 1)); the cache holds padding between levels, hidden by the mask.
+    """
+    device = next(model.parameters()).device
+    n_rows = len(rows)
+    cache, mask = DynamicCache(), torch.zeros((1, 0), dtype=torch.long, device=device)
+    done = [0] * n_rows  # tokens of each row already in the cache
+    parent_of = [0] * n_rows  # row -> index of its node in the current cache batch
+    logits = None
+    finest = list(range(n_rows)) if tail is not None else [tuple(row) for row in rows]
+    all_levels = [*levels, finest]
+    for depth, keys in enumerate(all_levels):
+        final = depth == len(all_levels) - 1
+        node_ids: dict[Hashable, int] = {}
+        members: list[list[int]] = []
+        for r, key in enumerate(keys):
+            if key not in node_ids:
+                node_ids[key] = len(members)
+                members.append([])
+            members[node_ids[key]].append(r)
+        chunks, ends = [], []
+        for rs in members:
+            first, start = rows[rs[0]], done[rs[0]]
+            if final:
+                end = len(first)
+            else:
+                common = common_prefix_len([rows[r] for r in rs])
+                end = max(start, min(common, min(len(rows[r]) for r in rs) - 1))
+            chunks.append(first[start:end])
+            ends.append(end)
+        if not final and not any(chunks):
+            continue  # nothing shared at this level: the rows stay on their parents' nodes
+        parents = torch.tensor([parent_of[rs[0]] for rs in members], device=device)
+        select_rows(cache, parents, mask.shape[0])
+        mask = mask.index_select(0, parents)
+        ids, new_mask = (t.to(device) for t in left_pad(chunks, pad_id))
+        if final and tail is not None:
+            ids = torch.cat([ids, tail[0].to(device)], dim=1)
+            new_mask = torch.cat([new_mask, tail[1].to(device, new_mask.dtype)], dim=1)
+        base = mask.sum(-1, keepdim=True)
+        positions = (base + new_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = torch.cat([mask, new_mask], dim=1)
+        logits = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep if final else 1,
+        ).logits
+        for node, rs in enumerate(members):
+            for r in rs:
+                done[r], parent_of[r] = ends[node], node
+    if len(members) < n_rows:  # duplicates: one copy of the cache per row for decoding
+        rows_to_nodes = torch.tensor(parent_of, device=device)
+        select_rows(cache, rows_to_nodes, len(members))
+        mask, logits = mask.index_select(0, rows_to_nodes), logits.index_select(0, rows_to_nodes)
+    next_pos = mask.sum(-1, keepdim=True)
+    return logits, cache, mask, next_pos
+
+
+# ----------------------------------------------------------------------------------------
+# Decode
+# ----------------------------------------------------------------------------------------
+StopRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(rows (A,), their new tokens (A,)) -> (A,) bool: which of these rows stop here (the token
+is kept)."""
+
+
+def decode(
+    model: torch.nn.Module,
+    logits: torch.Tensor,
+    cache: DynamicCache,
+    mask: torch.Tensor,
+    next_pos: torch.Tensor,
+    *,
+    group: int = 1,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: StopRule,
+    pad_id: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to `max_new_tokens` per row on top of a prefill (`prefix_tree_forward`'s last
+    logits (U, V), cache, mask, next positions), `group` rows per prefilled row (rows
+    [u*group, (u+1)*group) continue prefilled row u). A row ends with the token its `stop` rule
+    flags; the loop ends once every row has ended. Uses the global torch RNG.
+
+    Returns (tokens (B, T), lengths (B,)): row b's tokens are tokens[b, :lengths[b]], its stop
+    token included; the rest is `pad_id`. Rows that never stop have length `max_new_tokens`.
+    """
+    device = logits.device
+    batch = logits.shape[0] * group
+    if group > 1:
+        logits = logits.repeat_interleave(group, dim=0)
+    backend = _LeanKV if lean_decoding_supported(model) else _HFKV
+    kv = backend(model, cache, mask, next_pos, group, max_new_tokens)
+    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)  # row at each batch position
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        tok = sample_next_token(logits, temperature, top_p)
+        tok = tok.masked_fill(~alive, pad_id)
+        out[rows, step] = tok
+        open_pos = alive.nonzero().squeeze(1)
+        ended = open_pos[stop(rows[open_pos], tok[open_pos])]
+        lengths[rows[ended]] = step + 1
+        alive[ended] = False
+        if not bool(alive.any()) or step == max_new_tokens - 1:
+            break
+        # Drop ended rows once an eighth of the batch has ended (rows that share one prefix
+        # copy are kept: their prefix is not worth copying per row).
+        if kv.can_drop_rows and len(open_pos) - len(ended) <= 0.875 * len(rows):
+            keep = alive.nonzero().squeeze(1)
+            kv.keep(keep)
+            rows, tok, alive = rows[keep], tok[keep], alive[keep]
+        logits = kv.step(tok)
+    return out[:, : int(lengths.max())], lengths
+
+
+def lean_decoding_supported(model: torch.nn.Module) -> bool:
+    """Whether `_LeanKV` implements this model (Llama-family decoder, no sliding window)."""
+    config = getattr(model, "config", None)
+    inner = getattr(model, "model", None)
+    return (
+        getattr(config, "model_type", None) in LEAN_MODEL_TYPES
+        and not getattr(config, "use_sliding_window", False)
+        and hasattr(inner, "layers")
+        and hasattr(inner, "rotary_emb")
+        and hasattr(model, "lm_head")
+    )
+
+
+class _HFKV:
+    """Any causal LM: the HF forward on a `DynamicCache` with one cache row per decoded row."""
+
+    can_drop_rows = True
+
+    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
+        if group > 1:
+            index = torch.arange(mask.shape[0], device=mask.device).repeat_interleave(group)
+            select_rows(cache, index, mask.shape[0])
+            mask, next_pos = mask[index], next_pos[index]
+        self.model, self.cache, self.mask, self.pos = model, cache, mask, next_pos
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        ones = torch.ones((len(tokens), 1), dtype=self.mask.dtype, device=self.mask.device)
+        self.mask = torch.cat([self.mask, ones], dim=-1)
+        logits = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=self.mask,
+            position_ids=self.pos,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        self.pos = self.pos + 1
+        return logits
+
+    def keep(self, index: torch.Tensor) -> None:
+        select_rows(self.cache, index, self.mask.shape[0])
+        self.mask, self.pos = self.mask[index], self.pos[index]
+
+
+class _LeanKV:
+    """Llama-family decoding with the model's own modules: the prefill's cache is the shared
+    prefix (one copy per prefilled row, read by its `group` rows through a batched matmul),
+    new tokens go to a cache preallocated per row, and attention is one softmax over both."""
+
+    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
+        inner = model.model
+        self.layers, self.norm, self.head = inner.layers, inner.norm, model.lm_head
+        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
+        self.prefix_k = [layer.keys for layer in cache.layers]
+        self.prefix_v = [layer.values for layer in cache.layers]
+        nodes, kv_heads, _, head_dim = self.prefix_k[0].shape
+        dtype, device = self.prefix_k[0].dtype, self.prefix_k[0].device
+        # Additive mask of the prefix (its padding), as HF's eager attention adds it.
+        self.bias = torch.zeros(mask.shape, dtype=dtype, device=device)
+        self.bias.masked_fill_(mask == 0, torch.finfo(dtype).min)
+        self.group, self.t = group, 0
+        self.pos = next_pos.repeat_interleave(group, dim=0)
+        shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
+        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.can_drop_rows = group == 1
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)[:, None, :]  # (B, 1, hidden)
+        cos, sin = self.rotary(x, self.pos)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            shape = (x.shape[0], 1, -1, attn.head_dim)
+            q = attn.q_proj(h).view(shape)
+            k = attn.k_proj(h).view(shape)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            v = attn.v_proj(h).view(shape).transpose(1, 2)
+            x = x + attn.o_proj(self._attend(i, q, k, v, attn.scaling))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.t += 1
+        self.pos = self.pos + 1
+        return self.head(self.norm(x))[:, -1, :]
+
+    def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
+        """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
+        batch, heads, _, dim = q.shape
+        kv_heads, n = k.shape[1], self.group
+        g, nodes, t = heads // kv_heads, batch // n, self.t + 1
+        self.new_k[i][:, :, self.t] = k[:, :, 0]
+        self.new_v[i][:, :, self.t] = v[:, :, 0]
+        new_k, new_v = self.new_k[i][:, :, :t], self.new_v[i][:, :, :t]
+        # Query head h reads KV head h // g (HF's repeat_kv order). The n rows of a node read
+        # its one prefix copy: (nodes, kv heads, n * g, D) @ (nodes, kv heads, D, W).
+        qg = q.reshape(batch, kv_heads, g, dim)
+        qp = qg.view(nodes, n, kv_heads, g, dim).transpose(1, 2).reshape(nodes, kv_heads, -1, dim)
+        width = self.prefix_k[i].shape[2]
+        scores_p = torch.matmul(qp, self.prefix_k[i].transpose(2, 3)) * scaling
+        scores_p = scores_p + self.bias[:, None, None, :]
+        scores_p = scores_p.view(nodes, kv_heads, n, g, width).transpose(1, 2)
+        scores_new = torch.matmul(qg, new_k.transpose(2, 3)) * scaling  # (B, kv heads, g, t)
+        scores = torch.cat([scores_p.reshape(batch, kv_heads, g, width), scores_new], dim=-1)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs_p, probs_new = probs.split([width, t], dim=-1)
+        probs_p = probs_p.reshape(nodes, n, kv_heads, g, width).transpose(1, 2)
+        out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g, width), self.prefix_v[i])
+        out_p = (
+            out_p.view(nodes, kv_heads, n, g, dim).transpose(1, 2).reshape(batch, kv_heads, g, dim)
+        )
+        out = out_p + torch.matmul(probs_new, new_v)
+        return out.reshape(batch, 1, heads * dim)
+
+    def keep(self, index: torch.Tensor) -> None:  # group == 1: rows are prefix nodes
+        self.prefix_k = [k.index_select(0, index) for k in self.prefix_k]
+        self.prefix_v = [v.index_select(0, index) for v in self.prefix_v]
+        self.new_k = [k.index_select(0, index) for k in self.new_k]
+        self.new_v = [v.index_select(0, index) for v in self.new_v]
+        self.bias, self.pos = self.bias[index], self.pos[index]
