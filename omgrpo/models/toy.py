@@ -60,6 +60,19 @@ def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
     return Qwen3ForCausalLM(config)
 
 
+# The world's fields before the shortcut worlds existed: always in the key.
+_FAITHFUL_FIELDS = ("min_steps", "max_steps", "max_start", "max_operand", "max_factor", "max_value")
+
+
+def _world_key(spec: ToyWorldSpec) -> dict[str, Any]:
+    """The world part of a base's key: shortcut-world fields only where they differ from their
+    defaults, so bases of the faithful world keep the key they had before those fields existed."""
+    defaults = ToyWorldSpec()
+    return {
+        k: v for k, v in spec.__dict__.items() if k in _FAITHFUL_FIELDS or v != getattr(defaults, k)
+    }
+
+
 def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
     warm_start = dict(model_cfg.warm_start)
     warm_start.pop("check_problems", None)  # measured after training, does not change weights
@@ -76,7 +89,7 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
             model_cfg.num_kv_heads,
         ],
         "warm_start": warm_start,
-        "world": ToyWorldSpec.from_config(task_cfg).__dict__,
+        "world": _world_key(ToyWorldSpec.from_config(task_cfg)),
         "task_seed": task_cfg.seed,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
