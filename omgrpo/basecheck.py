@@ -175,11 +175,12 @@ def check_problems(spec: ToyWorldSpec, n: int, seed: int, exclude: set[str]) -> 
     """`n` problems of the world that the base has never seen (disjoint from `exclude`, its SFT
     questions and the RL splits), drawn from their own seed."""
     rng = random.Random(f"omgrpo-toy-check-{seed}")
+    seen = set(exclude)  # one copy, grown in place (the caller's set stays untouched)
     out: list[Problem] = []
     for attempt in range(50 * n + 1000):
         p = make_problem(rng, spec, f"check-{attempt}", draw_difficulty(rng, spec))
-        if p.question not in exclude:
-            exclude = exclude | {p.question}
+        if p.question not in seen:
+            seen.add(p.question)
             out.append(p)
             if len(out) == n:
                 break
