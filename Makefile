@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup test lint format demo clean
+.PHONY: setup test lint format demo study clean
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -66,6 +66,29 @@ demo: $(VENV)/.installed-base
 	done
 	$(VENV)/bin/omgrpo report $(DEMO_RUNS) --out $(DEMO_REPORT) --title "Collapse study (toy world)"
 	@echo "report: $(DEMO_REPORT)/report.md  summary: $(DEMO_REPORT)/summary.json"
+
+# The pre-registered collapse study (reports/collapse-study/PREREGISTRATION.md): resumable,
+# 2 runs at a time; finished runs are skipped when run again. STUDY_SEEDS and STUDY_PARTS
+# restrict it, e.g. one seed of the central comparison:
+#   make study STUDY_SEEDS=0 STUDY_PARTS=central
+STUDY_SEEDS ?= 0 1 2
+STUDY_PARTS ?= central base1 secondary worlds
+STUDY_RUNS ?= runs/collapse-study
+STUDY_REPORT ?= reports/collapse-study
+OMGRPO := $(VENV)/bin/omgrpo
+
+study: $(VENV)/.installed-base
+	@start=$$(date +%s); \
+	for part in $(STUDY_PARTS); do case $$part in \
+	  central) for seed in $(STUDY_SEEDS); do \
+	    $(OMGRPO) sweep sweeps/collapse_study_central.yaml --jobs 2 seed=$$seed run.root=$(STUDY_RUNS) || exit 1; done;; \
+	  base1) $(OMGRPO) sweep sweeps/collapse_study_central.yaml --jobs 2 seed=0 model.warm_start.seed=1 \
+	    run.experiment=toy_shortcut_base1 run.root=$(STUDY_RUNS) || exit 1;; \
+	  secondary|worlds) $(OMGRPO) sweep sweeps/collapse_study_$$part.yaml --jobs 2 run.root=$(STUDY_RUNS) || exit 1;; \
+	  *) echo "unknown STUDY_PARTS entry '$$part' (central base1 secondary worlds)"; exit 2;; \
+	esac; done; \
+	$(OMGRPO) study-report $(STUDY_RUNS) --prereg $(STUDY_REPORT)/PREREGISTRATION.md --out $(STUDY_REPORT) \
+	  --command "make study STUDY_SEEDS='$(STUDY_SEEDS)' STUDY_PARTS='$(STUDY_PARTS)'" --seconds $$(( $$(date +%s) - start ))
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

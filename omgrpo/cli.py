@@ -44,6 +44,9 @@ commands:
                          the paper's figures (PNG + PDF) from run directories
   report RUNS... --out reports/<name>/
                          report.md with tables, figures, configs and a verdict per run
+  study-report RUNS... --prereg PREREGISTRATION.md --out DIR
+                         a pre-registered study's predictions marked confirmed / refuted /
+                         inconclusive (means, 95% CIs over seeds), figures, base checks
 """
 
 
@@ -69,10 +72,10 @@ def main(argv: list[str] | None = None) -> int:
         from omgrpo.eval import cli as eval_cli
 
         return getattr(eval_cli, f"{command}_main")(rest)
-    if command in {"figures", "report", "tables"}:
+    if command in {"figures", "report", "tables", "study-report"}:
         from omgrpo.analysis import cli as analysis_cli
 
-        return getattr(analysis_cli, f"{command}_main")(rest)
+        return getattr(analysis_cli, f"{command.replace('-', '_')}_main")(rest)
     print(f"omgrpo: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -33,6 +33,11 @@ EXPECTED = {
     "om_grpo_no_car_n16": (SV, 0.0, False, False, 16),
     "om_grpo_no_car_n64": (SV, 0.0, False, False, 64),
     "om_grpo_kl_anchor": (SV, 0.0, False, False, 8),
+    "om_grpo_no_car_w025": (SV, 0.25, False, False, 8),
+    "om_grpo_no_car_w050": (SV, 0.5, False, False, 8),
+    "om_grpo_no_car_w075": (SV, 0.75, False, False, 8),
+    "om_grpo_no_car_format_only": (SV, 0.0, True, False, 8),
+    "mv_shuffled": (["majority_vote"], 1.0, False, False, 8),
 }
 
 
@@ -143,3 +148,9 @@ def test_command_line_overrides_still_win_over_presets():
     cfg = _compose("paper_qwen3_1p7b", "om_grpo_no_car_n16", "rollout.n=4", "car.enable=true")
     assert cfg.rollout.n == 4
     assert cfg.car.enable is True
+
+
+def test_only_the_null_control_shuffles_advantages():
+    for method in METHODS:
+        cfg = _compose("toy", method)
+        assert cfg.trainer.shuffle_advantages is (method == "mv_shuffled"), method

@@ -130,3 +130,30 @@ def tables_main(argv: list[str]) -> int:
     print(path.read_text())
     print(f"tables: {path} (+ .md / .tex per table in {path.parent}/)")
     return 0
+
+
+def study_report_main(argv: list[str]) -> int:
+    from omgrpo.analysis.study import write_study_report
+
+    prog = "omgrpo study-report"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Mark a pre-registered study's predictions confirmed / refuted / "
+        "inconclusive from its runs, with figures and the bases' checks.",
+    )
+    parser.add_argument("runs", nargs="+", help="run directories or folders of them")
+    parser.add_argument("--prereg", required=True, help="the PREREGISTRATION.md file")
+    parser.add_argument("--out", required=True, help="output folder (report.md, summary.json)")
+    parser.add_argument("--command", help="the command that ran the study (for the record)")
+    parser.add_argument("--seconds", type=float, help="the study's wall time (for the record)")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    try:
+        path = write_study_report(
+            ns.runs, ns.prereg, ns.out, command=ns.command, seconds=ns.seconds
+        )
+    except (FileNotFoundError, NoRunsError, ValueError) as e:
+        return _fail(prog, str(e))
+    print(f"study report: {path}")
+    return 0

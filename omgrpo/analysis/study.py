@@ -1,0 +1,289 @@
+"""A pre-registered study's predictions, marked confirmed / refuted / inconclusive from its runs.
+
+The pre-registration (`reports/collapse-study/PREREGISTRATION.md`) ends in a fenced YAML block
+that fixes each prediction before any run: the world (`run.experiment`), the measure, the
+metric, the method(s) and the expected side of a threshold. This module reads that block and
+the runs' frame (`omgrpo.analysis.load.load_runs`) and computes, per prediction, one value per
+paired unit (world's base and seed), their mean and 95% t-interval, and the verdict:
+
+- several units: *confirmed* if the interval lies on the predicted side of the threshold,
+  *refuted* if it lies entirely on the other side, *inconclusive* otherwise;
+- one unit: the point estimate's side, marked `1 seed, no CI`;
+- *not run* when a run it needs has no data.
+
+A world's units are its runs' `(experiment, seed)`: the world's own base (`experiment` equal to
+the world) and further bases named `<world>_base<k>`. `seeds:` restricts a prediction to the
+world's own base and those seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from omgrpo.analysis.figures import DRAW, MissingRunsError
+from omgrpo.analysis.load import t_critical
+
+__all__ = ["Verdict", "evaluate", "read_preregistration", "verdict_table"]
+
+MEASURES = ("change", "diff", "change_diff", "spearman")
+OPS = (">", "<", "abs<")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    id: str
+    world: str
+    measure: str
+    metric: str
+    expect: str
+    values: dict[str, float]  # unit ("experiment/s<seed>") -> value
+    mean: float | None
+    ci95: tuple[float, float] | None
+    verdict: str  # confirmed | refuted | inconclusive | not run (+ ", 1 seed, no CI")
+
+
+def read_preregistration(path: str | Path) -> dict[str, Any]:
+    """The YAML block of a pre-registration file, checked (file and prediction named on error)."""
+    path = Path(path)
+    blocks = re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+    if not blocks:
+        raise ValueError(f"{path}: no ```yaml block with the predictions")
+    spec = yaml.safe_load(blocks[-1])
+    for key in ("predictions", "final_steps", "start_step"):
+        if key not in spec:
+            raise ValueError(f"{path}: the predictions block has no '{key}'")
+    for p in spec["predictions"]:
+        name = p.get("id", "?")
+        if p.get("measure") not in MEASURES:
+            raise ValueError(f"{path}: {name}: measure must be one of {MEASURES}")
+        op = p.get("expect", [None])[0]
+        if op not in OPS or len(p["expect"]) != 2:
+            raise ValueError(f"{path}: {name}: expect must be [op, threshold], op in {OPS}")
+        needs = {"change": ["a"], "diff": ["a", "b"], "change_diff": ["a", "b"]}
+        needs["spearman"] = ["methods", "x"]
+        missing = [k for k in ["world", "metric", *needs[p["measure"]]] if k not in p]
+        if missing:
+            raise ValueError(f"{path}: {name}: missing {missing}")
+    return spec
+
+
+def _final(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
+    """A run's final value of `metric`: the mean at the final validation steps, or for a
+    training metric the mean over the last `train_window` steps."""
+    values = pd.to_numeric(run.get(metric), errors="coerce") if metric in run else None
+    if values is None:
+        return math.nan
+    if metric.startswith("val/"):
+        rows = run["step"].isin(spec["final_steps"])
+    else:
+        last = max(spec["final_steps"])
+        rows = (run["step"] > last - spec.get("train_window", 15)) & (run["step"] <= last)
+    picked = values[rows].dropna()
+    if metric.startswith("val/") and len(picked) < len(spec["final_steps"]):
+        return math.nan  # a run that has not reached its final validations
+    return float(picked.mean()) if len(picked) else math.nan
+
+
+def _start(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
+    if metric not in run:
+        return math.nan
+    values = pd.to_numeric(run.loc[run["step"] == spec["start_step"], metric], errors="coerce")
+    values = values.dropna()
+    return float(values.iloc[0]) if len(values) else math.nan
+
+
+def _world_pattern(world: str) -> str:
+    """`run.experiment` of a world's runs: the world, or `<world>_base<k>` for further bases."""
+    return re.escape(world) + r"(_base\d+)?"
+
+
+def _units(df: pd.DataFrame, world: str, seeds: Sequence[int] | None) -> list[tuple[str, int]]:
+    mine = df["experiment"].astype(str).str.fullmatch(_world_pattern(world))
+    units = sorted({(str(e), int(s)) for e, s in df.loc[mine, ["experiment", "seed"]].values})
+    if seeds is not None:
+        units = [(e, s) for e, s in units if e == world and s in seeds]
+    return units
+
+
+def _run(df: pd.DataFrame, experiment: str, seed: int, method: str) -> pd.DataFrame:
+    return df[(df["experiment"] == experiment) & (df["seed"] == seed) & (df["method"] == method)]
+
+
+def _change(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
+    return _final(run, metric, spec) - _start(run, metric, spec)
+
+
+def _unit_value(df: pd.DataFrame, p: Mapping, unit: tuple[str, int], spec: Mapping) -> float:
+    experiment, seed = unit
+    metric, measure = p["metric"], p["measure"]
+    a = _run(df, experiment, seed, p.get("a", ""))
+    if measure == "change":
+        return _change(a, metric, spec)
+    if measure == "spearman":
+        changes = [_change(_run(df, experiment, seed, m), metric, spec) for m in p["methods"]]
+        if any(math.isnan(c) for c in changes):
+            return math.nan
+        return float(pd.Series(p["x"]).corr(pd.Series(changes), method="spearman"))
+    other = p.get("world_b", experiment)
+    b = _run(df, other, seed, p["b"])
+    if measure == "diff":
+        return _final(a, metric, spec) - _final(b, metric, spec)
+    return _change(a, metric, spec) - _change(b, metric, spec)  # change_diff
+
+
+def _decide(op: str, threshold: float, values: list[float]) -> tuple[float, tuple | None, str]:
+    mean = float(np.mean(values))
+    if len(values) == 1:
+        holds = (
+            abs(mean) < threshold
+            if op == "abs<"
+            else (mean > threshold if op == ">" else mean < threshold)
+        )
+        return mean, None, ("confirmed" if holds else "refuted") + ", 1 seed, no CI"
+    half = t_critical(len(values) - 1) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
+    lo, hi = mean - half, mean + half
+    if op == ">":
+        verdict = "confirmed" if lo > threshold else "refuted" if hi < threshold else "inconclusive"
+    elif op == "<":
+        verdict = "confirmed" if hi < threshold else "refuted" if lo > threshold else "inconclusive"
+    else:  # abs<: the whole interval within (-threshold, threshold), or entirely outside it
+        inside = -threshold < lo and hi < threshold
+        outside = lo > threshold or hi < -threshold
+        verdict = "confirmed" if inside else "refuted" if outside else "inconclusive"
+    return mean, (lo, hi), verdict
+
+
+def evaluate(df: pd.DataFrame, spec: Mapping) -> list[Verdict]:
+    """Every prediction of `spec` (`read_preregistration`) marked from the runs in `df`."""
+    out = []
+    for p in spec["predictions"]:
+        units = _units(df, p["world"], p.get("seeds"))
+        values = {f"{e}/s{s}": _unit_value(df, p, (e, s), spec) for e, s in units}
+        finite = [v for v in values.values() if not math.isnan(v)]
+        op, threshold = p["expect"]
+        if finite:
+            mean, ci, verdict = _decide(op, float(threshold), finite)
+        else:
+            mean, ci, verdict = None, None, "not run"
+        out.append(
+            Verdict(
+                id=p["id"],
+                world=p["world"],
+                measure=p["measure"],
+                metric=p["metric"],
+                expect=f"{op} {threshold}",
+                values={k: round(v, 4) for k, v in values.items()},
+                mean=None if mean is None else round(mean, 4),
+                ci95=None if ci is None else (round(ci[0], 4), round(ci[1], 4)),
+                verdict=verdict,
+            )
+        )
+    return out
+
+
+def verdict_table(verdicts: Sequence[Verdict], texts: Mapping[str, str] | None = None) -> str:
+    """Markdown: one row per prediction (value, 95% CI, n, verdict)."""
+    rows = [
+        "| id | prediction | measured (mean) | 95% CI | n | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        what = (texts or {}).get(v.id) or f"{v.measure} of {v.metric} {v.expect}"
+        ci = "–" if v.ci95 is None else f"{v.ci95[0]:+.3f} to {v.ci95[1]:+.3f}"
+        mean = "–" if v.mean is None else f"{v.mean:+.3f}"
+        n = sum(not math.isnan(x) for x in v.values.values())
+        rows.append(f"| {v.id} | {what} | {mean} | {ci} | {n} | {v.verdict} |")
+    return "\n".join(rows)
+
+
+def prediction_texts(path: str | Path) -> dict[str, str]:
+    """Prediction id -> its words, from the pre-registration's table rows `| P<n> | world |
+    words |`."""
+    rows = re.findall(r"^\| (P\d+) \| [^|]+ \| ([^|]+) \|$", Path(path).read_text(), flags=re.M)
+    return {pid: text.strip() for pid, text in rows}
+
+
+def as_json(verdicts: Sequence[Verdict]) -> list[dict]:
+    return [asdict(v) for v in verdicts]
+
+
+def write_study_report(
+    runs: Sequence[str | Path],
+    prereg: str | Path,
+    out: str | Path,
+    *,
+    command: str | None = None,
+    seconds: float | None = None,
+) -> Path:
+    """`out`/report.md, summary.json and figures/<world>.png for a pre-registered study."""
+    import json
+    import subprocess
+    import time
+
+    from omgrpo.analysis.load import find_run_dirs, load_runs
+    from omgrpo.analysis.report import base_checks, base_checks_section
+
+    spec = read_preregistration(prereg)
+    out = Path(out)
+    (out / "figures").mkdir(parents=True, exist_ok=True)
+    run_dirs = find_run_dirs(*runs)
+    df = load_runs(*runs)
+    verdicts = evaluate(df, spec)
+    by_id = {v.id: v for v in verdicts}
+    gate = spec.get("stop_unless_confirmed")
+    stopped = gate is not None and not by_id[gate].verdict.startswith("confirmed")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    worlds = sorted({p["world"] for p in spec["predictions"]})
+    figures = []
+    for world in worlds:
+        runs_of_world = df[df["experiment"].astype(str).str.fullmatch(_world_pattern(world))]
+        for name in ("training_dynamics", "collapse_route", "token_roles"):
+            try:
+                fig = DRAW[name](runs_of_world)
+            except MissingRunsError:
+                continue  # e.g. no hard problems in the faithful world
+            fig.savefig(out / "figures" / f"{world}__{name}.png", dpi=110)
+            figures.append(f"{world}__{name}.png")
+    checks = base_checks(run_dirs)
+    lines = [
+        f"# Collapse study: report (pre-registration version {spec.get('version')}, "
+        f"{spec.get('date')})",
+        "",
+        f"Written by `{command or 'omgrpo study-report'}` at commit {commit or 'unknown'} on "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+        + (f"; wall time {seconds / 60:.1f} min." if seconds is not None else "."),
+        f"{df['run'].nunique() if len(df) else 0} runs in {', '.join(map(str, runs))}.",
+        "",
+    ]
+    if stopped:
+        lines += [
+            f"**The positive control {gate} is {by_id[gate].verdict}: by the pre-registration "
+            "the study stops here. The other verdicts are printed but not interpreted.**",
+            "",
+        ]
+    lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
+    lines += base_checks_section(checks)
+    lines += ["## Figures", ""] + [f"![{f}](figures/{f})" for f in figures]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    summary = {
+        "preregistration": str(prereg),
+        "command": command,
+        "commit": commit,
+        "seconds": seconds,
+        "stopped_by_positive_control": stopped,
+        "verdicts": as_json(verdicts),
+        "base_checks": checks,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return out / "report.md"
