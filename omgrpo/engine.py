@@ -303,70 +303,34 @@ class _LeanKV:
     new tokens go to a cache preallocated per row, and attention is one softmax over both."""
 
     def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
-        inner = model.model
-        self.layers, self.norm, self.head = inner.layers, inner.norm, model.lm_head
-        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
-        self.prefix_k = [layer.keys for layer in cache.layers]
-        self.prefix_v = [layer.values for layer in cache.layers]
+        self.model = model
+        self.prefix_k, self.prefix_v = cache_tensors(cache)
         nodes, kv_heads, _, head_dim = self.prefix_k[0].shape
         dtype, device = self.prefix_k[0].dtype, self.prefix_k[0].device
-        # Additive mask of the prefix (its padding), as HF's eager attention adds it.
-        self.bias = torch.zeros(mask.shape, dtype=dtype, device=device)
-        self.bias.masked_fill_(mask == 0, torch.finfo(dtype).min)
+        self.bias = padding_bias(mask, dtype)
         self.group, self.t = group, 0
         self.pos = next_pos.repeat_interleave(group, dim=0)
         shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
-        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        n_layers = len(model.model.layers)
+        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.can_drop_rows = group == 1
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)[:, None, :]  # (B, 1, hidden)
-        cos, sin = self.rotary(x, self.pos)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (x.shape[0], 1, -1, attn.head_dim)
-            q = attn.q_proj(h).view(shape)
-            k = attn.k_proj(h).view(shape)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(shape).transpose(1, 2)
-            x = x + attn.o_proj(self._attend(i, q, k, v, attn.scaling))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = lean_forward(self.model, tokens[:, None], self.pos, self._attend)
         self.t += 1
         self.pos = self.pos + 1
-        return self.head(self.norm(x))[:, -1, :]
+        return self.model.lm_head(hidden)[:, -1, :]
 
     def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
         """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
-        batch, heads, _, dim = q.shape
-        kv_heads, n = k.shape[1], self.group
-        g, nodes, t = heads // kv_heads, batch // n, self.t + 1
         self.new_k[i][:, :, self.t] = k[:, :, 0]
         self.new_v[i][:, :, self.t] = v[:, :, 0]
-        new_k, new_v = self.new_k[i][:, :, :t], self.new_v[i][:, :, :t]
-        # Query head h reads KV head h // g (HF's repeat_kv order). The n rows of a node read
-        # its one prefix copy: (nodes, kv heads, n * g, D) @ (nodes, kv heads, D, W).
-        qg = q.reshape(batch, kv_heads, g, dim)
-        qp = qg.view(nodes, n, kv_heads, g, dim).transpose(1, 2).reshape(nodes, kv_heads, -1, dim)
-        width = self.prefix_k[i].shape[2]
-        scores_p = torch.matmul(qp, self.prefix_k[i].transpose(2, 3)) * scaling
-        scores_p = scores_p + self.bias[:, None, None, :]
-        scores_p = scores_p.view(nodes, kv_heads, n, g, width).transpose(1, 2)
-        scores_new = torch.matmul(qg, new_k.transpose(2, 3)) * scaling  # (B, kv heads, g, t)
-        scores = torch.cat([scores_p.reshape(batch, kv_heads, g, width), scores_new], dim=-1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs_p, probs_new = probs.split([width, t], dim=-1)
-        probs_p = probs_p.reshape(nodes, n, kv_heads, g, width).transpose(1, 2)
-        out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g, width), self.prefix_v[i])
-        out_p = (
-            out_p.view(nodes, kv_heads, n, g, dim).transpose(1, 2).reshape(batch, kv_heads, g, dim)
-        )
-        out = out_p + torch.matmul(probs_new, new_v)
-        return out.reshape(batch, 1, heads * dim)
+        t = self.t + 1
+        own = (self.new_k[i][:, :, :t], self.new_v[i][:, :, :t], None)
+        prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
+        return prefix_attention(q, prefix, own, self.group, scaling)
 
     def keep(self, index: torch.Tensor) -> None:  # group == 1: rows are prefix nodes
         self.prefix_k = [k.index_select(0, index) for k in self.prefix_k]
@@ -374,3 +338,127 @@ class _LeanKV:
         self.new_k = [k.index_select(0, index) for k in self.new_k]
         self.new_v = [v.index_select(0, index) for v in self.new_v]
         self.bias, self.pos = self.bias[index], self.pos[index]
+
+
+# ----------------------------------------------------------------------------------------
+# Llama-family blocks and prefix-shared attention (decoding and scoring)
+# ----------------------------------------------------------------------------------------
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(layer, q (B, H, T, D), k / v (B, kv heads, T, D) after rotary, scaling) -> (B, T, H * D)."""
+
+
+def lean_forward(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """ids (B, T), positions (B, T) -> final-norm hidden states (B, T, hidden): the model's own
+    modules in HF's order, with attention delegated to `attend` (which owns the KV cache)."""
+    inner = model.model
+    x = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(x, positions)
+    batch, width = ids.shape
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (batch, width, -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        x = x + attn.o_proj(attend(i, q, k, v, attn.scaling))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return inner.norm(x)
+
+
+def prefix_attention(q, prefix, own, group: int, scaling: float) -> torch.Tensor:
+    """Attention of rows over a prefix they share plus their own keys, with one softmax.
+
+    q (B, H, T, D); `prefix` = (k, v (N, kv heads, W, D), additive bias (N, W)) with B = N *
+    `group`: rows [n*group, (n+1)*group) read prefix n, through one batched matmul per node
+    (the prefix is never copied per row); `own` = (k, v (B, kv heads, S, D), additive bias
+    (T, S) or None). Query head h reads KV head h // (H / kv heads), HF's `repeat_kv` order.
+    Returns (B, T, H * D).
+    """
+    (pk, pv, pbias), (ok, ov, obias) = prefix, own
+    batch, heads, t, dim = q.shape
+    nodes, kv_heads, width, _ = pk.shape
+    n, g = group, heads // kv_heads
+    rows_q = q.reshape(batch, kv_heads, g * t, dim)
+    node_q = rows_q.view(nodes, n, kv_heads, g * t, dim).transpose(1, 2)
+    scores_p = torch.matmul(node_q.reshape(nodes, kv_heads, n * g * t, dim), pk.transpose(2, 3))
+    scores_p = scores_p * scaling + pbias[:, None, None, :]
+    scores_p = scores_p.view(nodes, kv_heads, n, g * t, width).transpose(1, 2)
+    scores_own = torch.matmul(rows_q, ok.transpose(2, 3)) * scaling  # (B, kv heads, g*T, S)
+    if obias is not None:
+        scores_own = (scores_own.view(batch, kv_heads, g, t, -1) + obias).view_as(scores_own)
+    scores = torch.cat([scores_p.reshape(batch, kv_heads, g * t, width), scores_own], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs_p, probs_own = probs.split([width, ok.shape[2]], dim=-1)
+    probs_p = probs_p.reshape(nodes, n, kv_heads, g * t, width).transpose(1, 2)
+    out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g * t, width), pv)
+    out_p = out_p.view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
+    out = out_p.reshape(batch, kv_heads, g * t, dim) + torch.matmul(probs_own, ov)
+    return out.view(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+
+
+def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values (N, kv heads, W, D) of a prefill's cache."""
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def padding_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias (N, W) hiding padding (mask 0), as HF's eager attention."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask == 0, torch.finfo(dtype).min)
+
+
+# ----------------------------------------------------------------------------------------
+# Scoring: prompts once per group, responses on top
+# ----------------------------------------------------------------------------------------
+def shared_prompt_logits(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    response_ids: torch.Tensor,
+    pad_id: int,
+) -> torch.Tensor:
+    """Logits (R, T, V) predicting each response token of `response_ids` (R, T) (right-padded:
+    causal attention keeps padding out of real tokens' logits) after its row's prompt, for a
+    Llama-family model (`lean_decoding_supported`), with grad if enabled.
+
+    Each distinct prompt is run once (the prompts' common prefix, e.g. the system turn, once
+    for all: `prefix_tree_forward`); the response rows run on the model's own modules and read
+    their prompt's keys/values through one batched matmul per prompt (`prefix_attention`), so
+    a group of G rollouts never copies its prompt. Gradients of the prompt accumulate over its
+    rows. Rows are grouped by prompt whatever their order; when prompts have different numbers
+    of rows, each row gets its own copy of its prompt's keys/values instead.
+    """
+    device = response_ids.device
+    node_of: dict[tuple[int, ...], int] = {}
+    row_node = [node_of.setdefault(tuple(p), len(node_of)) for p in prompts]
+    unique = [list(p) for p in node_of]
+    counts = torch.bincount(torch.tensor(row_node), minlength=len(unique))
+    row_node_t = torch.tensor(row_node, device=device)
+    order = torch.argsort(row_node_t, stable=True)  # rows grouped by prompt
+    last, cache, mask, next_pos = prefix_tree_forward(model, unique, [[0] * len(unique)], pad_id)
+    keys, values = cache_tensors(cache)
+    bias = padding_bias(mask, keys[0].dtype)
+    group = int(counts[0])
+    if not bool((counts == group).all()):  # uneven groups: one prefix copy per row
+        index = row_node_t[order]
+        keys = [k.index_select(0, index) for k in keys]
+        values = [v.index_select(0, index) for v in values]
+        bias, next_pos, group = bias[index], next_pos[index], 1
+    ids = response_ids[order, :-1]  # the last token predicts nothing
+    width = ids.shape[1]
+    positions = next_pos.repeat_interleave(group, dim=0) + torch.arange(width, device=device)
+    causal = torch.full((width, width), torch.finfo(bias.dtype).min, device=device).triu(1)
+
+    def attend(i: int, q, k, v, scaling: float) -> torch.Tensor:
+        return prefix_attention(q, (keys[i], values[i], bias), (k, v, causal), group, scaling)
+
+    logits = last[:, -1:].repeat_interleave(counts.to(last.device), dim=0)  # predicts token 0
+    if width > 0:
+        hidden = lean_forward(model, ids, positions, attend)
+        logits = torch.cat([logits, model.lm_head(hidden)], dim=1)
+    return logits[torch.argsort(order)]
