@@ -15,6 +15,11 @@ batch ends once every row has stopped. Two interchangeable backends:
 - `_HFKV`, for any causal LM: the HF forward on a `DynamicCache` (the reference the fast path is
   tested against).
 
+Score (`shared_prompt_logits`): the logits of given responses (reference pass, update), for
+Llama-family models: each distinct prompt is prefilled once, then all responses run on the
+model's own modules (`lean_forward`, the blocks `_LeanKV` decodes with), each row attending to its
+prompt's keys/values and its own tokens in one fused SDPA call. Gradients flow to the prompts.
+
 Layout: a prefill is left-padded per tree level, so the cache holds padding that an attention
 mask (1 = real token) hides; position ids count real tokens only, so padding never changes a
 row's result.
