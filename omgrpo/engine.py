@@ -426,19 +426,22 @@ def shared_prompt_logits(
     model: torch.nn.Module,
     prompts: list[list[int]],
     response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
     pad_id: int,
+    chunks: int = 4,
 ) -> torch.Tensor:
-    """Logits (R, T, V) predicting each response token of `response_ids` (R, T) (right-padded:
-    causal attention keeps padding out of real tokens' logits) after its row's prompt, for a
-    Llama-family model (`lean_decoding_supported`), with grad if enabled.
+    """Logits (R, T, V) predicting each response token of `response_ids` (R, T) (right-padded,
+    `response_mask` 1 on real tokens) after its row's prompt, for a Llama-family model
+    (`lean_decoding_supported`), with grad if enabled. Logits at padding are meaningless.
 
     Each distinct prompt is run once (the prompts' common prefix, e.g. the system turn, once
     for all: `prefix_tree_forward`), then the responses run on the model's own modules, each
     row attending to its prompt's keys/values and its own tokens in one fused SDPA call.
-    Gradients of a prompt accumulate over its rows. (On the CPU, reading the prompt's
-    keys/values in place as `prefix_attention` does for decoding measured slower here than a
-    per-row copy and the fused kernel: with whole responses the attention, not the copy, is the
-    cost.)
+    Gradients of a prompt accumulate over its rows. Responses run in `chunks` batches of
+    similar length, each cut to its longest response, so short responses do not pay for the
+    longest one's padding. (On the CPU, reading the prompt's keys/values in place as
+    `prefix_attention` does for decoding measured slower here than a per-row copy and the fused
+    kernel: with whole responses the attention, not the copy, is the cost.)
     """
     device = response_ids.device
     node_of: dict[tuple[int, ...], int] = {}
@@ -447,16 +450,35 @@ def shared_prompt_logits(
         model, [list(p) for p in node_of], [[0] * len(node_of)], pad_id
     )
     rows = torch.tensor(row_node, device=device)
-    keys, values = cache_tensors(cache)
-    ids = response_ids[:, :-1]  # the last token predicts nothing
+    first = last[rows, -1:]  # the prompt's last position predicts token 0
+    prefix = (*cache_tensors(cache), padding_bias(mask, first.dtype), next_pos)
+    # tokens 0 .. length-2 predict tokens 1 .. length-1; the last one predicts nothing
+    inputs = response_mask.sum(-1).to(device) - 1
+    order = torch.argsort(inputs, descending=True, stable=True)
+    parts = []
+    for index in order.tensor_split(min(chunks, len(order))):
+        width = int(inputs[index].max().clamp(min=0))
+        part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
+        parts.append(F.pad(part, (0, 0, 0, response_ids.shape[1] - 1 - width)))
+    rest = torch.cat(parts)[torch.argsort(order)]
+    return torch.cat([first, rest], dim=1)
+
+
+def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> torch.Tensor:
+    """Logits (N, W, V) after response tokens `ids` (N, W) on top of prompt nodes `rows` (N,)
+    of `prefix` = (per-layer keys, values (P, kv heads, L, D), padding bias (P, L), next
+    position (P, 1))."""
+    keys, values, prompt_bias, next_pos = prefix
     n_rows, width = ids.shape
-    logits = last[rows, -1:]  # the prompt's last position predicts token 0
     if width == 0:
-        return logits
+        return prompt_bias.new_zeros((n_rows, 0, model.config.vocab_size))
+    device = ids.device
     positions = next_pos[rows] + torch.arange(width, device=device)
-    prompt_bias = padding_bias(mask, keys[0].dtype)[rows, None, :].expand(-1, width, -1)
-    causal = torch.full((width, width), torch.finfo(keys[0].dtype).min, device=device).triu(1)
-    bias = torch.cat([prompt_bias, causal.expand(n_rows, -1, -1)], dim=-1)[:, None]
+    causal = torch.full((width, width), torch.finfo(prompt_bias.dtype).min, device=device)
+    bias = torch.cat(
+        [prompt_bias[rows, None, :].expand(-1, width, -1), causal.triu(1).expand(n_rows, -1, -1)],
+        dim=-1,
+    )[:, None]
 
     def attend(i: int, q, k, v, scaling: float) -> torch.Tensor:
         k = torch.cat([keys[i].index_select(0, rows), k], dim=2)
@@ -466,5 +488,4 @@ def shared_prompt_logits(
         )
         return out.transpose(1, 2).reshape(n_rows, width, -1)
 
-    hidden = lean_forward(model, ids, positions, attend)
-    return torch.cat([logits, model.lm_head(hidden)], dim=1)
+    return model.lm_head(lean_forward(model, ids, positions, attend))

@@ -160,7 +160,10 @@ def response_logits(
     if share_prefix:
         prompts = [row[m.bool()].tolist() for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)]
         if lean_decoding_supported(model):
-            return shared_prompt_logits(model, prompts, seqs.response_ids.to(device), pad_id)
+            seqs = seqs.to(device)
+            return shared_prompt_logits(
+                model, prompts, seqs.response_ids, seqs.response_mask, pad_id
+            )
         logits, *_ = prefix_tree_forward(
             model,
             prompts,

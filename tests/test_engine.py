@@ -81,7 +81,7 @@ def _shared_prompt_tree(model, prompts, tail_ids, tail_mask):
 
 
 def _shared_prompt_lean(model, prompts, tail_ids, tail_mask):
-    return shared_prompt_logits(model, prompts, tail_ids, 0)
+    return shared_prompt_logits(model, prompts, tail_ids, tail_mask, 0, chunks=3)
 
 
 @pytest.mark.parametrize("scorer", [_shared_prompt_tree, _shared_prompt_lean])
