@@ -15,6 +15,11 @@ batch ends once every row has stopped. Two interchangeable backends:
 - `_HFKV`, for any causal LM: the HF forward on a `DynamicCache` (the reference the fast path is
   tested against).
 
+Score (`shared_prompt_logits`): the logits of given responses (reference pass, update), for
+Llama-family models: each distinct prompt is prefilled once, then all responses run on the
+model's own modules (`lean_forward`, the blocks `_LeanKV` decodes with), each row attending to its
+prompt's keys/values and its own tokens in one fused SDPA call. Gradients flow to the prompts.
+
 Layout: a prefill is left-padded per tree level, so the cache holds padding that an attention
 mask (1 = real token) hides; position ids count real tokens only, so padding never changes a
 row's result.
@@ -25,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
@@ -303,70 +309,34 @@ class _LeanKV:
     new tokens go to a cache preallocated per row, and attention is one softmax over both."""
 
     def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
-        inner = model.model
-        self.layers, self.norm, self.head = inner.layers, inner.norm, model.lm_head
-        self.embed, self.rotary = inner.embed_tokens, inner.rotary_emb
-        self.prefix_k = [layer.keys for layer in cache.layers]
-        self.prefix_v = [layer.values for layer in cache.layers]
+        self.model = model
+        self.prefix_k, self.prefix_v = cache_tensors(cache)
         nodes, kv_heads, _, head_dim = self.prefix_k[0].shape
         dtype, device = self.prefix_k[0].dtype, self.prefix_k[0].device
-        # Additive mask of the prefix (its padding), as HF's eager attention adds it.
-        self.bias = torch.zeros(mask.shape, dtype=dtype, device=device)
-        self.bias.masked_fill_(mask == 0, torch.finfo(dtype).min)
+        self.bias = padding_bias(mask, dtype)
         self.group, self.t = group, 0
         self.pos = next_pos.repeat_interleave(group, dim=0)
         shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
-        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in self.layers]
+        n_layers = len(model.model.layers)
+        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.can_drop_rows = group == 1
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)[:, None, :]  # (B, 1, hidden)
-        cos, sin = self.rotary(x, self.pos)
-        for i, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            shape = (x.shape[0], 1, -1, attn.head_dim)
-            q = attn.q_proj(h).view(shape)
-            k = attn.k_proj(h).view(shape)
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            v = attn.v_proj(h).view(shape).transpose(1, 2)
-            x = x + attn.o_proj(self._attend(i, q, k, v, attn.scaling))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        hidden = lean_forward(self.model, tokens[:, None], self.pos, self._attend)
         self.t += 1
         self.pos = self.pos + 1
-        return self.head(self.norm(x))[:, -1, :]
+        return self.model.lm_head(hidden)[:, -1, :]
 
     def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
         """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
-        batch, heads, _, dim = q.shape
-        kv_heads, n = k.shape[1], self.group
-        g, nodes, t = heads // kv_heads, batch // n, self.t + 1
         self.new_k[i][:, :, self.t] = k[:, :, 0]
         self.new_v[i][:, :, self.t] = v[:, :, 0]
-        new_k, new_v = self.new_k[i][:, :, :t], self.new_v[i][:, :, :t]
-        # Query head h reads KV head h // g (HF's repeat_kv order). The n rows of a node read
-        # its one prefix copy: (nodes, kv heads, n * g, D) @ (nodes, kv heads, D, W).
-        qg = q.reshape(batch, kv_heads, g, dim)
-        qp = qg.view(nodes, n, kv_heads, g, dim).transpose(1, 2).reshape(nodes, kv_heads, -1, dim)
-        width = self.prefix_k[i].shape[2]
-        scores_p = torch.matmul(qp, self.prefix_k[i].transpose(2, 3)) * scaling
-        scores_p = scores_p + self.bias[:, None, None, :]
-        scores_p = scores_p.view(nodes, kv_heads, n, g, width).transpose(1, 2)
-        scores_new = torch.matmul(qg, new_k.transpose(2, 3)) * scaling  # (B, kv heads, g, t)
-        scores = torch.cat([scores_p.reshape(batch, kv_heads, g, width), scores_new], dim=-1)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        probs_p, probs_new = probs.split([width, t], dim=-1)
-        probs_p = probs_p.reshape(nodes, n, kv_heads, g, width).transpose(1, 2)
-        out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g, width), self.prefix_v[i])
-        out_p = (
-            out_p.view(nodes, kv_heads, n, g, dim).transpose(1, 2).reshape(batch, kv_heads, g, dim)
-        )
-        out = out_p + torch.matmul(probs_new, new_v)
-        return out.reshape(batch, 1, heads * dim)
+        t = self.t + 1
+        own = (self.new_k[i][:, :, :t], self.new_v[i][:, :, :t], None)
+        prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
+        return prefix_attention(q, prefix, own, self.group, scaling)
 
     def keep(self, index: torch.Tensor) -> None:  # group == 1: rows are prefix nodes
         self.prefix_k = [k.index_select(0, index) for k in self.prefix_k]
@@ -374,3 +344,148 @@ class _LeanKV:
         self.new_k = [k.index_select(0, index) for k in self.new_k]
         self.new_v = [v.index_select(0, index) for v in self.new_v]
         self.bias, self.pos = self.bias[index], self.pos[index]
+
+
+# ----------------------------------------------------------------------------------------
+# Llama-family blocks and prefix-shared attention (decoding and scoring)
+# ----------------------------------------------------------------------------------------
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(layer, q (B, H, T, D), k / v (B, kv heads, T, D) after rotary, scaling) -> (B, T, H * D)."""
+
+
+def lean_forward(
+    model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend: Attend
+) -> torch.Tensor:
+    """ids (B, T), positions (B, T) -> final-norm hidden states (B, T, hidden): the model's own
+    modules in HF's order, with attention delegated to `attend` (which owns the KV cache)."""
+    inner = model.model
+    x = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(x, positions)
+    batch, width = ids.shape
+    for i, layer in enumerate(inner.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        shape = (batch, width, -1, attn.head_dim)
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        x = x + attn.o_proj(attend(i, q, k, v, attn.scaling))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return inner.norm(x)
+
+
+def prefix_attention(q, prefix, own, group: int, scaling: float) -> torch.Tensor:
+    """Attention of rows over a prefix they share plus their own keys, with one softmax.
+
+    q (B, H, T, D); `prefix` = (k, v (N, kv heads, W, D), additive bias (N, W)) with B = N *
+    `group`: rows [n*group, (n+1)*group) read prefix n, through one batched matmul per node
+    (the prefix is never copied per row); `own` = (k, v (B, kv heads, S, D), additive bias
+    (T, S) or None). Query head h reads KV head h // (H / kv heads), HF's `repeat_kv` order.
+    Returns (B, T, H * D).
+    """
+    (pk, pv, pbias), (ok, ov, obias) = prefix, own
+    batch, heads, t, dim = q.shape
+    nodes, kv_heads, width, _ = pk.shape
+    n, g = group, heads // kv_heads
+    rows_q = (q * scaling).reshape(batch, kv_heads, g * t, dim)  # scaled here: q is small
+    node_q = rows_q.view(nodes, n, kv_heads, g * t, dim).transpose(1, 2)
+    scores_p = torch.matmul(node_q.reshape(nodes, kv_heads, n * g * t, dim), pk.transpose(2, 3))
+    scores_p = scores_p + pbias[:, None, None, :]
+    scores_p = scores_p.view(nodes, kv_heads, n, g * t, width).transpose(1, 2)
+    scores_own = torch.matmul(rows_q, ok.transpose(2, 3))  # (B, kv heads, g*T, S)
+    if obias is not None:
+        scores_own = (scores_own.view(batch, kv_heads, g, t, -1) + obias).view_as(scores_own)
+    scores = torch.cat([scores_p.reshape(batch, kv_heads, g * t, width), scores_own], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs_p, probs_own = probs.split([width, ok.shape[2]], dim=-1)
+    probs_p = probs_p.reshape(nodes, n, kv_heads, g * t, width).transpose(1, 2)
+    out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g * t, width), pv)
+    out_p = out_p.view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
+    out = out_p.reshape(batch, kv_heads, g * t, dim) + torch.matmul(probs_own, ov)
+    return out.view(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+
+
+def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values (N, kv heads, W, D) of a prefill's cache."""
+    return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+
+
+def padding_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias (N, W) hiding padding (mask 0), as HF's eager attention."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask == 0, torch.finfo(dtype).min)
+
+
+# ----------------------------------------------------------------------------------------
+# Scoring: prompts once per group, responses on top
+# ----------------------------------------------------------------------------------------
+def shared_prompt_logits(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    pad_id: int,
+    chunks: int = 4,
+) -> torch.Tensor:
+    """Logits (R, T, V) predicting each response token of `response_ids` (R, T) (right-padded,
+    `response_mask` 1 on real tokens) after its row's prompt, for a Llama-family model
+    (`lean_decoding_supported`), with grad if enabled. Logits at padding are meaningless.
+
+    Each distinct prompt is run once (the prompts' common prefix, e.g. the system turn, once
+    for all: `prefix_tree_forward`), then the responses run on the model's own modules, each
+    row attending to its prompt's keys/values and its own tokens in one fused SDPA call.
+    Gradients of a prompt accumulate over its rows. Responses run in `chunks` batches of
+    similar length, each cut to its longest response, so short responses do not pay for the
+    longest one's padding. (On the CPU, reading the prompt's keys/values in place as
+    `prefix_attention` does for decoding measured slower here than a per-row copy and the fused
+    kernel: with whole responses the attention, not the copy, is the cost.)
+    """
+    device = response_ids.device
+    node_of: dict[tuple[int, ...], int] = {}
+    row_node = [node_of.setdefault(tuple(p), len(node_of)) for p in prompts]
+    last, cache, mask, next_pos = prefix_tree_forward(
+        model, [list(p) for p in node_of], [[0] * len(node_of)], pad_id
+    )
+    rows = torch.tensor(row_node, device=device)
+    first = last[rows, -1:]  # the prompt's last position predicts token 0
+    prefix = (*cache_tensors(cache), padding_bias(mask, first.dtype), next_pos)
+    # tokens 0 .. length-2 predict tokens 1 .. length-1; the last one predicts nothing
+    inputs = response_mask.sum(-1).to(device) - 1
+    order = torch.argsort(inputs, descending=True, stable=True)
+    parts = []
+    for index in order.tensor_split(min(chunks, len(order))):
+        width = int(inputs[index].max().clamp(min=0))
+        part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
+        parts.append(F.pad(part, (0, 0, 0, response_ids.shape[1] - 1 - width)))
+    rest = torch.cat(parts)[torch.argsort(order)]
+    return torch.cat([first, rest], dim=1)
+
+
+def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> torch.Tensor:
+    """Logits (N, W, V) after response tokens `ids` (N, W) on top of prompt nodes `rows` (N,)
+    of `prefix` = (per-layer keys, values (P, kv heads, L, D), padding bias (P, L), next
+    position (P, 1))."""
+    keys, values, prompt_bias, next_pos = prefix
+    n_rows, width = ids.shape
+    if width == 0:
+        return prompt_bias.new_zeros((n_rows, 0, model.config.vocab_size))
+    device = ids.device
+    positions = next_pos[rows] + torch.arange(width, device=device)
+    causal = torch.full((width, width), torch.finfo(prompt_bias.dtype).min, device=device)
+    bias = torch.cat(
+        [prompt_bias[rows, None, :].expand(-1, width, -1), causal.triu(1).expand(n_rows, -1, -1)],
+        dim=-1,
+    )[:, None]
+
+    def attend(i: int, q, k, v, scaling: float) -> torch.Tensor:
+        k = torch.cat([keys[i].index_select(0, rows), k], dim=2)
+        v = torch.cat([values[i].index_select(0, rows), v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(n_rows, width, -1)
+
+    return model.lm_head(lean_forward(model, ids, positions, attend))

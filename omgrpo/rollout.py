@@ -13,7 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
-from omgrpo.engine import decode, left_pad, prefix_tree_forward, right_pad, stop_token_ids
+from omgrpo.engine import (
+    decode,
+    lean_decoding_supported,
+    left_pad,
+    prefix_tree_forward,
+    right_pad,
+    shared_prompt_logits,
+    stop_token_ids,
+)
 from omgrpo.losses import token_logprobs_and_entropy
 
 # left_pad, right_pad and stop_token_ids live in omgrpo.engine; importable from here too.
@@ -141,14 +149,21 @@ def response_logits(
     """Logits (B, T, V) predicting each response token (with grad if enabled).
 
     With `share_prefix` the prompts' common prefix (the chat template's system turn) is run
-    once, and each distinct prompt once for all of its rollouts, their KV caches reused by the
-    rows below (`omgrpo.engine.prefix_tree_forward`); the result equals the plain forward up to
-    float round-off (tested).
+    once, and each distinct prompt once for all of its rollouts; for Llama-family models the
+    responses then read their prompt's keys/values without copying them per row
+    (`omgrpo.engine.shared_prompt_logits`), for others the prompt caches are copied per row
+    (`omgrpo.engine.prefix_tree_forward`). Both equal the plain forward up to float round-off
+    (tested).
     """
     device = next(model.parameters()).device
     t = seqs.response_ids.shape[1]
     if share_prefix:
         prompts = [row[m.bool()].tolist() for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)]
+        if lean_decoding_supported(model):
+            seqs = seqs.to(device)
+            return shared_prompt_logits(
+                model, prompts, seqs.response_ids, seqs.response_mask, pad_id
+            )
         logits, *_ = prefix_tree_forward(
             model,
             prompts,

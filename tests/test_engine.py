@@ -6,7 +6,14 @@ import torch
 from test_car import _toy  # a random toy Qwen3 with an untied random output layer
 
 from omgrpo import engine
-from omgrpo.engine import _HFKV, _LeanKV, decode, lean_decoding_supported, prefix_tree_forward
+from omgrpo.engine import (
+    _HFKV,
+    _LeanKV,
+    decode,
+    lean_decoding_supported,
+    prefix_tree_forward,
+    shared_prompt_logits,
+)
 
 SYSTEM = "<|im_start|>system\nThink step by step.<|im_end|>\n"
 QUESTIONS = ["Evaluate left to right: 7+5", "Hi", "Evaluate: 12*3-4+1"]
@@ -67,22 +74,35 @@ def test_lean_and_hf_decoding_give_the_same_greedy_tokens(monkeypatch):
         assert (row[n:] == tok.pad_token_id).all()
 
 
-def test_prefix_tree_with_response_tails_equals_the_plain_forward_with_gradients():
+def _shared_prompt_tree(model, prompts, tail_ids, tail_mask):
+    levels = [[0] * len(prompts), [tuple(p) for p in prompts]]
+    logits, *_ = prefix_tree_forward(model, prompts, levels, 0, (tail_ids, tail_mask), 4)
+    return logits[:, :-1]
+
+
+def _shared_prompt_lean(model, prompts, tail_ids, tail_mask):
+    return shared_prompt_logits(model, prompts, tail_ids, tail_mask, 0, chunks=3)
+
+
+@pytest.mark.parametrize("scorer", [_shared_prompt_tree, _shared_prompt_lean])
+def test_prompt_shared_scoring_equals_the_plain_forward_with_gradients(scorer):
     model, tok = _model()
-    prompts = [p for p in _prompts(tok) for _ in range(2)]
+    p = _prompts(tok)
+    # rows out of order, groups of 3, 2 and 1, prompts and responses of different lengths
+    prompts = [p[0], p[1], p[0], p[2], p[0], p[1]]
     tails = [[5, 6, 7], [8], [9, 10], [11, 12, 13], [14], [15, 16]]
     tail_ids = torch.zeros(6, 3, dtype=torch.long)
     tail_mask = torch.zeros(6, 3, dtype=torch.long)
     for i, t in enumerate(tails):
         tail_ids[i, : len(t)], tail_mask[i, : len(t)] = torch.tensor(t), 1
-    levels = [[0] * 6, [tuple(p) for p in prompts]]
-    shared, *_ = prefix_tree_forward(model, prompts, levels, 0, (tail_ids, tail_mask), 4)
-    shared[:, :-1][tail_mask.bool()].sum().backward()
+    shared = scorer(model, prompts, tail_ids, tail_mask)
+    logprobs = shared.log_softmax(-1).gather(-1, tail_ids[..., None])[..., 0]
+    (logprobs * tail_mask).sum().backward()
     shared_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     for i, (p, t) in enumerate(zip(prompts, tails)):  # each row alone, unpadded
         alone = model(input_ids=torch.tensor([p + t])).logits[0, -len(t) - 1 : -1]
         torch.testing.assert_close(shared[i, : len(t)], alone, atol=1e-5, rtol=1e-5)
-        alone.sum().backward()
+        alone.log_softmax(-1).gather(-1, torch.tensor(t)[:, None]).sum().backward()
     for a, p in zip(shared_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
