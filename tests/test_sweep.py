@@ -18,6 +18,10 @@ EXPECTED_RUNS = {
     "ttt": 2 * 3,  # mv, om_grpo on toy_ttt
     "base_strength": 2 * 2 * 3,  # toy_weak / toy_strong x mv / om_grpo
     "collapse_demo": 4 * 1,  # gt, mv, om_grpo w/o CAR, w/o CAR and OMU; seed 0 (make demo)
+    # the pre-registered collapse study (make study): per seed; 6 secondary; 3 worlds x 4
+    "collapse_study_central": 5 * 1,
+    "collapse_study_secondary": 6 * 1,
+    "collapse_study_worlds": 4 * 3 * 1,
 }
 
 
@@ -78,11 +82,14 @@ def test_every_expanded_run_composes(name, plans):
 def test_sweeps_never_share_a_run_directory(plans):
     """The paper's sweep files write under run.root=runs (one MLflow store): names must not
     collide, or a W&B agent's second run of a name would find the first one's directory. The
-    demo keeps its runs (and report input) apart in runs/collapse-demo."""
-    names = [r.name for runs in plans.values() for r in runs]
+    demo and the pre-registered study keep their runs (and report input) apart in
+    runs/collapse-demo and runs/collapse-study."""
+    names = [str(r.root / r.name) for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
     roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
     assert roots.pop("collapse_demo") == {"runs/collapse-demo"}
+    for part in ("central", "secondary", "worlds"):
+        assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
     assert set.union(*roots.values()) == {"runs"}
 
 
