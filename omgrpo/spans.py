@@ -106,7 +106,10 @@ def _incremental_offsets(tokenizer: Any, ids: list[int], text: str) -> list[tupl
 
 
 def response_offsets(
-    tokenizer: Any, token_ids: Sequence[int] | torch.Tensor, text: str | None = None
+    tokenizer: Any,
+    token_ids: Sequence[int] | torch.Tensor,
+    text: str | None = None,
+    encoding: Any = None,
 ) -> list[tuple[int, int]]:
     """Character offsets of generated token ids in the decoded response text.
 
@@ -123,6 +126,8 @@ def response_offsets(
         Fast-path offsets are the tokenizer's own: with a ``ByteLevel(trim_offsets=True)``
         post-processor (GPT-2; not Qwen2 / Llama 3) they exclude a token's leading/trailing
         whitespace, so a whitespace-only token has an empty offset.
+        encoding: ``text`` already encoded with offsets (``input_ids``, ``offset_mapping``;
+        e.g. one row of a batch call), so a batch of responses is re-tokenized in one call.
     """
     ids = _ids_list(token_ids)
     special = set(tokenizer.all_special_ids)
@@ -132,7 +137,7 @@ def response_offsets(
 
     kept_offsets: list[tuple[int, int]] | None = None
     if kept:
-        enc = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        enc = encoding or tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
         enc_ids = list(enc["input_ids"])
         if enc_ids == ids:  # ``text`` was decoded with its special tokens kept
             return [(int(s), int(e)) for s, e in enc["offset_mapping"]]

@@ -139,12 +139,15 @@ def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> R
     """Decode each response, extract its boxed answer and mark the tokens of each role."""
     answer_mask = torch.zeros_like(mask, dtype=torch.bool)
     result_mask, format_mask = torch.zeros_like(answer_mask), torch.zeros_like(answer_mask)
+    rows = [ids[i, : int(mask[i].sum())].tolist() for i in range(ids.shape[0])]
+    all_texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
+    encoded = tokenizer(all_texts, return_offsets_mapping=True, add_special_tokens=False)
     texts, answers = [], []
-    for i in range(ids.shape[0]):
-        n = int(mask[i].sum())
-        row = ids[i, :n].tolist()
-        text = tokenizer.decode(row, skip_special_tokens=True)
-        offsets = response_offsets(tokenizer, row, text)
+    for i, (row, text) in enumerate(zip(rows, all_texts)):
+        n = len(row)
+        row_encoding = {k: encoded[k][i] for k in ("input_ids", "offset_mapping")}
+        offsets = response_offsets(tokenizer, row, text, encoding=row_encoding)
         boxed = extract_boxed(text)
         answer_mask[i, :n] = span_token_mask(offsets, None if boxed is None else boxed.span)
         result_mask[i, :n] = span_token_mask(offsets, last_result_span(text))
