@@ -20,7 +20,7 @@ subprocess:
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
 - `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
   MLflow store is created once beforehand (parallel first migrations would race) and each toy
-  base the runs need is trained once beforehand with all cores;
+  base the runs need is trained once beforehand (on one thread, as everywhere);
 - `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
   failed, listing their logs;
 - `--eval SUITE [--eval-checkpoint last,best,base] [--tables DIR]`: after training, every
@@ -269,8 +269,9 @@ def _prepare_mlflow(runs: list[Run], say) -> None:
 
 
 def _prepare_toy_bases(runs: list[Run], say) -> None:
-    """Train each toy base the runs need once, here with every core, before they start in
-    parallel (otherwise each parallel run would train the same base at the same time)."""
+    """Train each toy base the runs need once, before they start in parallel (otherwise each
+    parallel run would train the same base at the same time); a base trains on one thread
+    wherever it is trained (`omgrpo.models.toy.ensure_toy_base`)."""
     from omgrpo.models.toy import toy_base_key
 
     needed: dict[str, Any] = {}
@@ -283,12 +284,9 @@ def _prepare_toy_bases(runs: list[Run], say) -> None:
             needed.setdefault(key, cfg)
     if not needed:
         return
-    import torch
-
     from omgrpo.models.loading import base_model_dir
     from omgrpo.tasks import load_task
 
-    torch.set_num_threads(_cores())
     for cfg in needed.values():
         say(f"  training the shared toy base once ({cfg.model.warm_start.steps} SFT steps)")
         base_model_dir(cfg.model, cfg.task, load_task(cfg.task))

@@ -105,6 +105,19 @@ def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) 
     out = Path(model_cfg.cache_dir) / f"toy-base-{key}"
     if (out / "config.json").exists():
         return out
+    # One thread, always: float reductions differ with the thread count, and a base must be
+    # the same wherever its key is trained (a fresh clone reproduces a committed study).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train_toy_base(model_cfg, task_cfg, exclude_questions, key, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_toy_base(
+    model_cfg: Any, task_cfg: Any, exclude_questions: set[str], key: str, out: Path
+) -> Path:
     ws = model_cfg.warm_start
     print(f"warm start: training the toy base ({ws.steps} SFT steps) into {out}", flush=True)
     spec = ToyWorldSpec.from_config(task_cfg)
