@@ -8,14 +8,15 @@ logger (the driver's metrics, checked by the GPU smoke test's `check_run`) and t
 server's request log.
 
 Each verl process costs ~2 min of startup on 2 cores, so the checks share processes: one run of
-OM-GRPO with CAR (2 steps, collapse stop forced) and one run each of `method=mv` and
-`method=gt` (1 step).
+OM-GRPO with CAR (2 steps, collapse stop forced), and one run each of `method=mv` and
+`method=gt` (1 step), side by side.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "verl_cpu"))
 import harness
 
-from omgrpo.backends.verl.data import write_toy_parquet
 from omgrpo.backends.verl.smoke import COLLAPSE_AT_STEP_2, check_run, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ PROMPTS = 2  # data.train_batch_size
 @pytest.fixture(scope="module")
 def setup(base_cache, tmp_path_factory):
     base = harness.build_toy_base(Path(base_cache))
-    train, val = write_toy_parquet(tmp_path_factory.mktemp("verl-data"), n_train=8, n_val=4)
+    train, val = harness.write_data(tmp_path_factory.mktemp("verl-data"))
     return base, train, val
 
 
@@ -97,13 +97,21 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path):
         assert m["car/pool_size"] == pytest.approx(G + (len(pairs) - unclosed) / PROMPTS), step
 
 
-@pytest.mark.parametrize(("method", "part"), [("mv", "majority_vote"), ("gt", "gt")])
-def test_w1_method_one_step(setup, tmp_path, method, part):
-    """One step of majority voting / the GT reward (w = 1): answer tokens keep their advantage,
-    so their share of the PG weight is > 0 (exactly 0 with w = 0 above)."""
-    steps = _run(tmp_path, setup, steps=1, extra=[f"method={method}"])
-    problems = check_run(steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=(part,))
-    assert not problems, "\n".join(problems)
-    assert "reward/soft_vote" not in steps[1]
-    if method == "gt":  # the GT reward is the correctness the diagnostics measure
-        assert steps[1]["reward/gt"] == pytest.approx(steps[1]["acc/train"])
+def test_mv_and_gt_one_step(setup, tmp_path):
+    """One step each of majority voting and the GT reward (w = 1), run side by side (two verl
+    processes at once: ~1 min less than one after the other on 2 cores): answer tokens keep
+    their advantage, so their share of the PG weight is > 0 (exactly 0 with w = 0 above)."""
+    parts = {"mv": "majority_vote", "gt": "gt"}
+    # GT rewards are sparser (the toy base gets ~1 in 3 right): 4 prompts for gt
+    extra = {"mv": ["method=mv"], "gt": ["method=gt", "data.train_batch_size=4"]}
+    with ThreadPoolExecutor(len(parts)) as pool:
+        runs = {m: pool.submit(_run, tmp_path / m, setup, 1, extra[m]) for m in parts}
+        steps = {m: run.result() for m, run in runs.items()}
+    for method, part in parts.items():
+        problems = check_run(
+            steps[method], expect_steps=1, answer_weight=1.0, car=False, reward_parts=(part,)
+        )
+        assert not problems, f"method={method}:\n" + "\n".join(problems)
+        assert "reward/soft_vote" not in steps[method][1], method
+    # the GT reward is the correctness the diagnostics measure
+    assert steps["gt"][1]["reward/gt"] == pytest.approx(steps["gt"][1]["acc/train"])

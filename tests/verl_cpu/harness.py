@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from omgrpo.backends.verl import smoke
+from omgrpo.backends.verl.data import write_toy_parquet
 from omgrpo.config import ModelConfig, TaskConfig
 from omgrpo.models.toy import ensure_toy_base
 from omgrpo.tasks.toy import ToyWorldSpec, generate_toy_splits
@@ -27,22 +28,32 @@ REPO = HARNESS_DIR.parents[1]
 MODULES = "omgrpo_cpu_platform,omgrpo_cpu_rollout,omgrpo.backends.verl.plugin"
 SERVER_LOG = "OMGRPO_HF_SERVER_LOG"  # the hf server appends one JSON line per request here
 
-# A toy base that closes \boxed{} within ~40 tokens (hidden 64, 2 layers, toy BPE, ChatML):
-# 150 SFT steps, about a minute on 2 idle cores.
+# A toy base that closes \boxed{} within ~30 tokens (hidden 64, 2 layers, toy BPE, ChatML) and
+# disagrees with itself: 300 SFT steps in an easy world (1-2 operations on small numbers) give
+# ~1/3 right answers on the test's problems (GT rewards not all 0), ~100 s on 2 idle cores.
 BASE_SETTINGS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
-BASE_SFT_STEPS = 150
+BASE_SFT_STEPS = 300
 BASE_SFT_BATCH = 32
+WORLD = {"min_steps": 1, "max_steps": 2, "max_start": 9, "max_operand": 9, "max_factor": 3}
+WORLD["max_value"] = 30
+N_TRAIN, N_VAL = 8, 4
 
 
-def build_toy_base(cache_dir: Path, n_train: int = 8, n_val: int = 4) -> Path:
-    """The toy base (trained once per cache dir), SFT on problems disjoint from the data."""
+def build_toy_base(cache_dir: Path) -> Path:
+    """The toy base (trained once per cache dir), SFT on problems disjoint from `write_data`'s."""
     model = OmegaConf.structured(ModelConfig(**BASE_SETTINGS, cache_dir=str(cache_dir)))
     model.warm_start.steps = BASE_SFT_STEPS
     model.warm_start.batch_size = BASE_SFT_BATCH
     model.warm_start.check_problems = 0
-    splits = generate_toy_splits(n_train, n_val, 0, seed=0, spec=ToyWorldSpec())
-    exclude = {p.question for p in splits.train + splits.val}  # the data of write_toy_parquet
-    return ensure_toy_base(model, OmegaConf.structured(TaskConfig()), exclude)
+    task = TaskConfig(**WORLD)
+    splits = generate_toy_splits(N_TRAIN, N_VAL, 0, seed=task.seed, spec=ToyWorldSpec(**WORLD))
+    exclude = {p.question for p in splits.train + splits.val}
+    return ensure_toy_base(model, OmegaConf.structured(task), exclude)
+
+
+def write_data(out: Path) -> tuple[Path, Path]:
+    """The train / val parquet files (verl's format) of the toy world's problems."""
+    return write_toy_parquet(out, N_TRAIN, N_VAL, spec=ToyWorldSpec(**WORLD))
 
 
 def overrides(base: Path, train: Path, val: Path, steps: int, n: int) -> list[str]:

@@ -32,10 +32,12 @@ def verl_rows(problems: Sequence[Problem], data_source: str) -> list[dict]:
     ]
 
 
-def write_toy_parquet(out_dir: Path, n_train: int, n_val: int, seed: int = 0) -> tuple[Path, Path]:
-    """`train.parquet` and `val.parquet` of toy-world problems (`task.seed` = `seed`) in
-    `out_dir`; returns their paths."""
-    splits = generate_toy_splits(n_train, n_val, 0, seed=seed, spec=ToyWorldSpec())
+def write_toy_parquet(
+    out_dir: Path, n_train: int, n_val: int, seed: int = 0, spec: ToyWorldSpec | None = None
+) -> tuple[Path, Path]:
+    """`train.parquet` and `val.parquet` of toy-world problems (`task.seed` = `seed`, the
+    default world unless `spec`) in `out_dir`; returns their paths."""
+    splits = generate_toy_splits(n_train, n_val, 0, seed=seed, spec=spec or ToyWorldSpec())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
