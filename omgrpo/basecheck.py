@@ -34,7 +34,7 @@ import torch
 
 from omgrpo.answers import extract_boxed, normalize
 from omgrpo.tasks.base import Problem
-from omgrpo.tasks.toy import ToyWorldSpec, draw_difficulty, last_result, make_problem
+from omgrpo.tasks.toy import ToyWorldSpec, draw_distinct, is_guess
 
 __all__ = [
     "DifficultyStats",
@@ -78,13 +78,6 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
-def _is_guess(text: str, answer: str | None) -> bool:
-    if answer is None:
-        return False
-    computed = last_result(text)
-    return computed is None or normalize(answer) != computed
-
-
 def difficulty_stats(
     problems: Sequence[Problem], texts: Sequence[Sequence[str]], spec: ToyWorldSpec
 ) -> list[DifficultyStats]:
@@ -108,7 +101,7 @@ def difficulty_stats(
             answers = [normalize(b.content) if b else None for b in boxes]
             hits = [a is not None and a == problem.answer for a in answers]
             n_roll += len(group)
-            guesses += sum(_is_guess(t, a) for t, a in zip(group, answers))
+            guesses += sum(is_guess(t, a) for t, a in zip(group, answers))
             peaks += sum(a == peak for a in answers)
             correct += sum(hits)
             passed += any(hits)
@@ -176,14 +169,13 @@ def check_problems(spec: ToyWorldSpec, n: int, seed: int, exclude: set[str]) -> 
     questions and the RL splits), drawn from their own seed."""
     rng = random.Random(f"omgrpo-toy-check-{seed}")
     seen = set(exclude)  # one copy, grown in place (the caller's set stays untouched)
+    budget = [50 * n + 1000]
     out: list[Problem] = []
-    for attempt in range(50 * n + 1000):
-        p = make_problem(rng, spec, f"check-{attempt}", draw_difficulty(rng, spec))
-        if p.question not in seen:
-            seen.add(p.question)
-            out.append(p)
-            if len(out) == n:
-                break
+    while len(out) < n:
+        p = draw_distinct(rng, spec, f"check-{len(out)}", seen, budget)
+        if p is None:
+            break
+        out.append(p)
     return out
 
 

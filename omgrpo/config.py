@@ -281,6 +281,13 @@ class TrainerConfig:
     0: never."""
     threads: int | None = None
     """torch CPU threads (null: torch's default)."""
+    grad_probe_every: int = 0
+    """Every N steps (0: never), before the update, measure the policy-gradient parts of the
+    answer tokens and of the other response tokens separately (unmasked, on up to 64 rollouts):
+    `grad/answer_norm`, `grad/reasoning_norm`, `grad/answer_reasoning_cos`."""
+    shuffle_advantages: bool = False
+    """Null control: permute the advantages within each group before the update, so the update
+    carries the rollouts' usual magnitudes but no reward signal (drift without reward)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from omgrpo.answers import normalize
 from omgrpo.rewards import RewardGroup, majority_class
+from omgrpo.tasks.toy import is_guess, last_result
 
 
 def answer_diagnostics(
@@ -26,7 +27,10 @@ def answer_diagnostics(
       (the paper's "predicted-1 share"); `answers/batch_mode` is that answer
     - `answers/vote_entropy`: mean entropy (nats) of each group's answer distribution
     - `answers/extract_rate`: share of rollouts with an extractable boxed answer
-    - `answers/top_vote_acc`: share of labelled groups whose majority answer is correct
+    - `answers/top_vote_acc`: share of labelled groups whose majority answer is correct (the
+      pseudo-label accuracy)
+    - `answers/wrong_majority`: share of labelled groups whose majority answer is wrong (the
+      rest had no answer at all)
     - `acc/train`: share of labelled rollouts that are correct
     """
     n_rollouts = sum(g.size for g in groups)
@@ -34,7 +38,7 @@ def answer_diagnostics(
     batch_counts = Counter(normalize(a) for a in extracted)
     mode, mode_count = batch_counts.most_common(1)[0] if batch_counts else (None, 0)
 
-    unique, entropies, top_hits, labelled = [], [], 0, 0
+    unique, entropies, top_hits, wrong_top, labelled = [], [], 0, 0, 0
     for g, ok in zip(groups, correct):
         counts = Counter(c for c in g.classes if c is not None)
         unique.append(len(counts))
@@ -46,6 +50,7 @@ def answer_diagnostics(
         if g.label is not None:
             labelled += 1
             top_hits += top is not None and bool(ok[g.classes.index(top)])
+            wrong_top += top is not None and not ok[g.classes.index(top)]
     flat = [c for ok in correct for c in ok if c is not None]
     return {
         "answers/unique_per_prompt": _mean(unique),
@@ -55,8 +60,44 @@ def answer_diagnostics(
         "answers/vote_entropy": _mean(entropies),
         "answers/extract_rate": len(extracted) / n_rollouts if n_rollouts else 0.0,
         "answers/top_vote_acc": top_hits / labelled if labelled else float("nan"),
+        "answers/wrong_majority": wrong_top / labelled if labelled else float("nan"),
         "acc/train": _mean([float(c) for c in flat]) if flat else float("nan"),
     }
+
+
+def guess_diagnostics(
+    texts: Sequence[str],
+    answers: Sequence[str | None],
+    difficulties: Sequence[str],
+    peak: str | None,
+    prefix: str = "answers",
+) -> dict[str, float]:
+    """How the boxed answers relate to the reasoning before them (the shortcut worlds,
+    docs/toy-worlds.md), over rollouts with an answer:
+    - `<prefix>/consistency`: share whose answer is the value their reasoning computed last;
+    - `<prefix>/guess_rate_<difficulty>`: share that box something else (`toy.is_guess`), by
+      the problems' difficulty;
+    - `<prefix>/bare_guess_rate`: share that box an answer with no computed line before it;
+    - `<prefix>/peak_share`: share of all rollouts boxing `peak`, the guess prior's peak value.
+    """
+    answered = [(t, a, d) for t, a, d in zip(texts, answers, difficulties) if a is not None]
+    guesses = [(is_guess(t, a), d) for t, a, d in answered]
+    out = {
+        f"{prefix}/consistency": _mean([float(not g) for g, _ in guesses]) if guesses else 0.0,
+        f"{prefix}/bare_guess_rate": _mean([float(last_result(t) is None) for t, _, _ in answered])
+        if answered
+        else 0.0,
+    }
+    for difficulty in sorted(set(difficulties)):
+        part = [float(g) for g, d in guesses if d == difficulty]
+        out[f"{prefix}/guess_rate_{difficulty}"] = _mean(part) if part else float("nan")
+    if peak is not None:
+        out[f"{prefix}/peak_share"] = (
+            sum(a is not None and normalize(a) == peak for a in answers) / len(answers)
+            if answers
+            else 0.0
+        )
+    return out
 
 
 def _mean(xs: Sequence[float]) -> float:

@@ -298,6 +298,7 @@ def grpo_loss(
     agg: str = "token-mean",
     num_tokens: float | Tensor | None = None,
     entropy: Tensor | None = None,
+    roles: dict[str, Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss with the Outcome-Masked Update (the paper's masked objective).
 
@@ -335,6 +336,9 @@ def grpo_loss(
         agg: aggregation mode, see :func:`agg_loss`.
         num_tokens: optional global token count for ``"token-mean"`` (micro-batching).
         entropy: optional (B, T) per-token entropy, for metrics only.
+        roles: optional name -> (B, T) bool masks of token roles (e.g. `result`, `format`,
+            `other`; `omgrpo.step.Responses.role_masks`), for `kl/<name>` and
+            `entropy/<name>` metrics only.
 
     Returns:
         ``(loss, metrics)``: 0-dim loss and python-float metrics ``loss/pg``, ``loss/kl``
@@ -412,4 +416,9 @@ def grpo_loss(
             ent = entropy.detach().to(dtype)
             metrics["entropy/answer"] = masked_mean(ent, answer).item()
             metrics["entropy/reasoning"] = masked_mean(ent, reasoning).item()
+        for role, role_mask in (roles or {}).items():  # diagnostics only
+            if k3 is not None:
+                metrics[f"kl/{role}"] = masked_mean(k3, role_mask).item()
+            if entropy is not None:
+                metrics[f"entropy/{role}"] = masked_mean(ent, role_mask).item()
     return loss, metrics

@@ -9,6 +9,7 @@ located at the character level by :func:`omgrpo.answers.extract_boxed` (the cont
   byte-level BPE pieces that split a UTF-8 character.
 * :func:`answer_token_mask` -- boolean mask of the tokens overlapping the answer content.
 * :func:`answer_mask_for_ids` -- both in one call.
+* :func:`span_token_mask` -- the tokens overlapping any character span (token roles).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from omgrpo.answers import extract_boxed
 
-__all__ = ["answer_mask_for_ids", "answer_token_mask", "response_offsets"]
+__all__ = ["answer_mask_for_ids", "answer_token_mask", "response_offsets", "span_token_mask"]
 
 _REPLACEMENT = "\ufffd"  # what decoders emit for an incomplete UTF-8 byte sequence
 
@@ -49,14 +50,18 @@ def answer_token_mask(response_text: str, offset_mapping: Any) -> torch.Tensor:
         closing ``}`` are False; a token straddling ``{`` and the first answer character is True.
         All False when there is no (well-formed) boxed answer or its content is empty.
     """
-    offsets = _as_offset_tensor(offset_mapping)
-    mask = torch.zeros(offsets.shape[0], dtype=torch.bool)
     boxed = extract_boxed(response_text)
-    if boxed is None:
-        return mask
-    span_start, span_end = boxed.span
+    return span_token_mask(offset_mapping, None if boxed is None else boxed.span)
+
+
+def span_token_mask(offset_mapping: Any, span: tuple[int, int] | None) -> torch.Tensor:
+    """(T,) bool: the non-empty tokens overlapping the character span `[start, end)` (all False
+    for None or an empty span)."""
+    offsets = _as_offset_tensor(offset_mapping)
+    if span is None:
+        return torch.zeros(offsets.shape[0], dtype=torch.bool)
     starts, ends = offsets[:, 0], offsets[:, 1]
-    return (starts < span_end) & (ends > span_start) & (ends > starts)
+    return (starts < span[1]) & (ends > span[0]) & (ends > starts)
 
 
 def _ids_list(token_ids: Any) -> list[int]:

@@ -26,13 +26,15 @@ from omgrpo.car import CarResult, top_vote_metrics
 from omgrpo.diagnostics import (
     answer_diagnostics,
     confidently_wrong,
+    guess_diagnostics,
     label_flip_rate,
     majority_answers,
 )
 from omgrpo.losses import group_advantages
 from omgrpo.rewards import RewardGroup, compute_rewards, format_score, make_group
-from omgrpo.spans import answer_mask_for_ids
+from omgrpo.spans import response_offsets, span_token_mask
 from omgrpo.tasks import Problem
+from omgrpo.tasks.toy import last_result_span
 
 __all__ = [
     "LoopState",
@@ -67,13 +69,25 @@ class LoopState:
 
 @dataclass
 class Responses:
-    """Generated tokens of B rollouts, decoded, with the token span of each final answer."""
+    """Generated tokens of B rollouts, decoded, with the token span of each final answer and
+    the tokens of the other roles the diagnostics split KL and entropy by."""
 
     ids: torch.Tensor  # (B, T) int64 generated token ids, right-padded
     mask: torch.Tensor  # (B, T) 1 on generated tokens (eos included)
     answer_mask: torch.Tensor  # (B, T) bool: tokens spelling the last \boxed{} content
     texts: list[str]  # (B,) decoded responses (special tokens dropped)
     answers: list[str | None]  # (B,) content of the last \boxed{} (None: no answer)
+    result_mask: torch.Tensor | None = None  # (B, T) bool: the last computed line's result
+    format_mask: torch.Tensor | None = None  # (B, T) bool: the closing line (and eos), not answer
+
+    def role_masks(self) -> dict[str, torch.Tensor]:
+        """(B, T) bool masks of the non-answer roles: `result` (the value the reasoning computed
+        last, `a op b = c`), `format` (the closing line around the answer, and eos) and `other`
+        (the remaining reasoning tokens)."""
+        resp = self.mask.bool()
+        result = self.result_mask & resp
+        fmt = self.format_mask & resp & ~result & ~self.answer_mask
+        return {"result": result, "format": fmt, "other": resp & ~self.answer_mask & ~result & ~fmt}
 
 
 @dataclass
@@ -122,16 +136,34 @@ def is_correct(answer: str | None, label: str | None) -> bool | None:
 
 
 def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> Responses:
-    """Decode each response, extract its boxed answer and mark the answer's tokens."""
+    """Decode each response, extract its boxed answer and mark the tokens of each role."""
     answer_mask = torch.zeros_like(mask, dtype=torch.bool)
+    result_mask, format_mask = torch.zeros_like(answer_mask), torch.zeros_like(answer_mask)
     texts, answers = [], []
     for i in range(ids.shape[0]):
         n = int(mask[i].sum())
-        row_mask, text = answer_mask_for_ids(tokenizer, ids[i, :n].tolist())
-        answer_mask[i, :n] = row_mask
+        row = ids[i, :n].tolist()
+        text = tokenizer.decode(row, skip_special_tokens=True)
+        offsets = response_offsets(tokenizer, row, text)
+        boxed = extract_boxed(text)
+        answer_mask[i, :n] = span_token_mask(offsets, None if boxed is None else boxed.span)
+        result_mask[i, :n] = span_token_mask(offsets, last_result_span(text))
+        if boxed is not None:  # the closing line, to the end (eos has an empty offset there)
+            closing = text.rfind("\n", 0, boxed.span[0]) + 1
+            format_mask[i, :n] = torch.tensor(
+                [start >= closing for start, _ in offsets], dtype=bool
+            )
         texts.append(text)
-        answers.append(extract_answer(text))
-    return Responses(ids=ids, mask=mask, answer_mask=answer_mask, texts=texts, answers=answers)
+        answers.append(boxed.content if boxed is not None else None)
+    return Responses(
+        ids=ids,
+        mask=mask,
+        answer_mask=answer_mask,
+        texts=texts,
+        answers=answers,
+        result_mask=result_mask,
+        format_mask=format_mask,
+    )
 
 
 def score_step(
@@ -220,12 +252,16 @@ def _reward_groups(problems, responses, G, vocab, stats, car, coreward) -> list[
     return groups
 
 
-def step_metrics(batch: StepBatch, state: LoopState, confident_share: float) -> dict[str, Any]:
+def step_metrics(
+    batch: StepBatch, state: LoopState, confident_share: float, peak: str | None = None
+) -> dict[str, Any]:
     """Every diagnostic of one scored step (`state.last_majority` is updated in place).
 
     `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
     `acc/train`, with CAR the `car/*` diagnostics and the pool's `answers/top_vote_acc`, and,
-    where the batch holds tokens, `response/length_mean`. `confident_share` is
+    where the batch holds tokens, `response/length_mean`; for toy problems (they carry a
+    difficulty) the answer-reasoning consistency and guess rates of `guess_diagnostics`, with
+    the share of `peak` (the world's guess-prior peak). `confident_share` is
     `collapse.confident_share`.
     """
     correct = batch.per_group(batch.correct)
@@ -246,4 +282,9 @@ def step_metrics(batch: StepBatch, state: LoopState, confident_share: float) -> 
     if batch.responses is not None:
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())
+        difficulties = [p.meta.get("difficulty") for p in batch.per_rollout(batch.prompts)]
+        if all(difficulties):
+            metrics.update(
+                guess_diagnostics(batch.responses.texts, batch.answers, difficulties, peak)
+            )
     return metrics

@@ -40,7 +40,7 @@ from omgrpo.car import CarResult, generate_pair_answers
 from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container, validate_algorithm
 from omgrpo.console import TRAIN_FIELDS, Progress
-from omgrpo.diagnostics import CollapseDetector, recovery_metrics
+from omgrpo.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
 from omgrpo.losses import grpo_loss, token_logprobs_and_entropy
 from omgrpo.models.loading import (
     base_model_dir,
@@ -209,6 +209,15 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             car=car,
             stats=stats,
         )
+    if cfg.trainer.shuffle_advantages:
+        batch = shuffled_advantages(
+            batch, torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
+        )
+    probe = {}
+    probe_every = cfg.trainer.grad_probe_every
+    if probe_every and (state.step == 1 or state.step % probe_every == 0):
+        with timer("probe"):
+            probe = gradient_probe(policy, seqs, batch)
     with timer("update"):
         policy.train()
         update = ppo_update(
@@ -228,8 +237,9 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     metrics = {
         "train/epoch": (state.step - 1) // run.steps_per_epoch,
         "train/skipped_steps": state.skipped,
-        **step_metrics(batch, state, cfg.collapse.confident_share),
+        **step_metrics(batch, state, cfg.collapse.confident_share, _peak(cfg)),
         **update,
+        **probe,
         "lr": run.scheduler.get_last_lr()[0],
         "answers/grading_timeouts": grading.timeouts,
     }
@@ -473,6 +483,7 @@ def ppo_update(
     token count as the denominator. A non-finite loss or gradient skips the whole step."""
     B = len(seqs)
     advantages, answer_mask = batch.advantages, batch.responses.answer_mask
+    roles = batch.responses.role_masks()
     format_adv = batch.format_advantages
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
@@ -504,6 +515,7 @@ def ppo_update(
                     agg=algo.agg,
                     num_tokens=num_tokens,
                     entropy=entropy.detach(),
+                    roles={k: v[idx].to(device) for k, v in roles.items()},
                 )
                 if algo.agg != "token-mean":  # sequence means: weight micro-batches by size
                     loss = loss * (len(idx) / len(mb))
@@ -526,6 +538,60 @@ def ppo_update(
     return out
 
 
+def shuffled_advantages(batch: StepBatch, generator: torch.Generator) -> StepBatch:
+    """`batch` with its advantages (and format advantages) permuted within each group: the
+    shuffled-advantage null control (`trainer.shuffle_advantages`)."""
+    order = torch.arange(len(batch.group_ids))
+    for g in batch.group_ids.unique():
+        rows = (batch.group_ids == g).nonzero().squeeze(1)
+        order[rows] = rows[torch.randperm(len(rows), generator=generator)]
+    fmt = batch.format_advantages
+    return dataclasses.replace(
+        batch,
+        advantages=batch.advantages[order],
+        format_advantages=None if fmt is None else fmt[order],
+    )
+
+
+def gradient_probe(policy, seqs: Sequences, batch: StepBatch, rows: int = 64) -> dict[str, float]:
+    """Norms and cosine of the policy-gradient parts of the answer tokens and of the other
+    response tokens, at the current weights, on the first `rows` rollouts (ratio 1, no
+    masking, no KL: the gradients the OMU weight scales and leaves alone)."""
+    policy.train()
+    part = seqs.select(torch.arange(min(rows, len(seqs))))
+    device = next(policy.parameters()).device
+    part = part.to(device)
+    logprobs, _ = token_logprobs_and_entropy(
+        response_logits(policy, part).float(), part.response_ids
+    )
+    resp = part.response_mask.bool()
+    answer = batch.responses.answer_mask[: len(part)].to(device) & resp
+    weighted = -batch.advantages[: len(part)].to(device).unsqueeze(1) * logprobs
+    num_tokens = resp.sum().clamp(min=1)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    flat = []
+    for mask in (answer, resp & ~answer):
+        grads = torch.autograd.grad(
+            (weighted * mask).sum() / num_tokens, params, retain_graph=True, allow_unused=True
+        )
+        flat.append(
+            torch.cat(
+                [
+                    (g if g is not None else torch.zeros_like(p)).flatten()
+                    for g, p in zip(grads, params)
+                ]
+            )
+        )
+    answer_grad, reasoning_grad = flat
+    return {
+        "grad/answer_norm": float(answer_grad.norm()),
+        "grad/reasoning_norm": float(reasoning_grad.norm()),
+        "grad/answer_reasoning_cos": float(
+            torch.nn.functional.cosine_similarity(answer_grad, reasoning_grad, dim=0)
+        ),
+    }
+
+
 @torch.no_grad()
 def validate(run: Run, step: int, recovery: dict) -> dict:
     """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
@@ -538,10 +604,22 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         seqs = run.sample(
             problems, k, cfg.eval.temperature, cfg.eval.top_p, batch_size=cfg.eval.batch_size
         )
-    answers = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask).answers
+    responses = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask)
+    answers = responses.answers
     groups = [make_group(a, label=p.answer) for a, p in zip(_chunks(answers, k), problems)]
     correct = [[bool(is_correct(a, p.answer)) for a in g.answers] for g, p in zip(groups, problems)]
+    by_difficulty = {}
+    difficulties = [p.meta.get("difficulty") for p in problems]
+    if all(difficulties):  # toy problems: accuracy and guessing by difficulty
+        for d in sorted(set(difficulties)):
+            accs = [np.mean(c) for c, pd_ in zip(correct, difficulties) if pd_ == d]
+            by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
+        per_rollout = [d for d in difficulties for _ in range(k)]
+        by_difficulty.update(
+            guess_diagnostics(responses.texts, answers, per_rollout, _peak(cfg), prefix="val")
+        )
     return {
+        **by_difficulty,
         "val/acc": float(np.mean([np.mean(c) for c in correct])),
         f"val/pass@{k}": float(np.mean([any(c) for c in correct])),
         "val/unique_answers": float(
@@ -550,6 +628,12 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         "val/extract_rate": float(np.mean([a is not None for a in answers])),
         **recovery_metrics(correct, recovery),
     }
+
+
+def _peak(cfg) -> str | None:
+    """The toy world's guess-prior peak (the paper's collapse answer "1"), whose batch share is
+    a diagnostic in every toy world; None for other tasks."""
+    return str(cfg.task.guess_peak) if cfg.task.name == "toy" else None
 
 
 def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:

@@ -11,7 +11,7 @@ import torch
 from omgrpo.car import CarResult
 from omgrpo.config import compose
 from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.step import LoopState, is_correct, score_step, step_metrics
+from omgrpo.step import LoopState, decode_responses, is_correct, score_step, step_metrics
 from omgrpo.tasks import Problem
 
 # Two prompts x G = 3; the char tokenizer gives one token per character.
@@ -98,3 +98,52 @@ def test_is_correct_is_a_diagnostic_of_labelled_answers():
     assert is_correct("0.5", "\\frac{1}{2}") is True
     assert is_correct(None, "4") is False
     assert is_correct("4", None) is None
+
+
+def test_token_roles_of_a_worked_response(tok):
+    """Char tokenizer: each role is exactly its characters (hand-checked)."""
+    text = "3+4=7\n7*2=14\nSo the answer is \\boxed{1}."
+    ids, mask = batch_of(tok, [text])
+    eos = torch.tensor([[tok.eos_token_id]])
+    ids, mask = torch.cat([ids, eos], 1), torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
+    r = decode_responses(tok, ids, mask)
+    roles = r.role_masks()
+    chars = lambda m: "".join(text[i] for i in m[0].nonzero().flatten().tolist() if i < len(text))  # noqa: E731
+    assert chars(r.answer_mask) == "1"
+    assert chars(roles["result"]) == "14"  # the last computed line's result
+    assert chars(roles["format"]) == "So the answer is \\boxed{}."
+    assert bool(roles["format"][0, -1])  # eos closes the format
+    assert chars(roles["other"]) == "3+4=7\n7*2=\n"
+    # the four roles partition the response tokens
+    total = sum(m.long() for m in [r.answer_mask, *roles.values()])
+    assert torch.equal(total.bool(), mask.bool()) and int(total.max()) == 1
+
+
+def test_guess_and_majority_diagnostics_hand_computed(tok):
+    texts = [
+        "1+1=2\nSo the answer is \\boxed{2}.",  # consistent
+        "1+1=2\nSo the answer is \\boxed{1}.",  # guess (peak)
+        "So the answer is \\boxed{1}.",  # bare guess (peak)
+        "no answer",
+        "5-1=4\nSo the answer is \\boxed{4}.",  # consistent
+        "5-1=4\nSo the answer is \\boxed{9}.",  # guess
+    ]
+    prompts = [
+        Problem(id="e", question="1+1", answer="2", meta={"difficulty": "easy"}),
+        Problem(id="h", question="5-1", answer="4", meta={"difficulty": "hard"}),
+    ]
+    ids, mask = batch_of(tok, texts)
+    batch = score_step(tok, ids, mask, prompts, compose(["method=mv"]))
+    m = step_metrics(batch, LoopState(), 0.75, peak="1")
+    assert m["answers/consistency"] == pytest.approx(2 / 5)
+    assert m["answers/guess_rate_easy"] == pytest.approx(2 / 3)
+    assert m["answers/guess_rate_hard"] == pytest.approx(1 / 2)
+    assert m["answers/bare_guess_rate"] == pytest.approx(1 / 5)
+    assert m["answers/peak_share"] == pytest.approx(2 / 6)
+    # group e votes 2, 1, 1 -> majority "1", wrong; group h ties 4/9 -> the first class, "4"
+    assert m["answers/wrong_majority"] == pytest.approx(1 / 2)
+    assert m["answers/top_vote_acc"] == pytest.approx(1 / 2)
+    # no difficulty (not a toy problem): no guess metrics
+    assert "answers/consistency" not in step_metrics(
+        score_step(tok, ids, mask, PROMPTS[:1] * 2, compose(["method=mv"])), LoopState(), 0.75
+    )

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from omgrpo.basecheck import acceptance, difficulty_stats, wilson_interval
+from omgrpo.basecheck import acceptance, check_problems, difficulty_stats, wilson_interval
 from omgrpo.tasks.base import Problem
 from omgrpo.tasks.toy import (
     ToyWorldSpec,
@@ -191,3 +191,15 @@ def test_a_new_base_is_checked_and_the_verdict_stored(tiny_overrides, tmp_path, 
     assert sum(d["problems"] for d in verdict["by_difficulty"]) == 6
     assert not verdict["passed"]  # 5 SFT steps teach nothing: reported as failing
     assert "base checks: FAILED" in capsys.readouterr().out
+
+
+def test_deduplication_keeps_the_difficulty_mix():
+    """Easy questions come from a smaller space and collide more with the questions already
+    drawn; redrawing keeps each slot's difficulty, so samples keep `hard_share` (the first
+    world's check sample held 41 easy vs 87 hard problems)."""
+    exclude = {p.question for p in generate_sft_problems(20000, seed=0, spec=SHORTCUT)}
+    sample = check_problems(SHORTCUT, 600, seed=0, exclude=exclude)
+    assert len(sample) == 600 and not exclude & {p.question for p in sample}
+    hard = sum(p.meta["difficulty"] == "hard" for p in sample)
+    lo, hi = wilson_interval(hard, 600, z=3.0)
+    assert lo <= 0.5 <= hi

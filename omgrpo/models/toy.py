@@ -68,9 +68,13 @@ def _world_key(spec: ToyWorldSpec) -> dict[str, Any]:
     """The world part of a base's key: shortcut-world fields only where they differ from their
     defaults, so bases of the faithful world keep the key they had before those fields existed."""
     defaults = ToyWorldSpec()
-    return {
+    key = {
         k: v for k, v in spec.__dict__.items() if k in _FAITHFUL_FIELDS or v != getattr(defaults, k)
     }
+    if spec.hard_share > 0:
+        # 2: de-duplication keeps each draw's difficulty (docs/toy-worlds.md, world v2)
+        key["generator"] = 2
+    return key
 
 
 def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:

@@ -30,6 +30,7 @@ import random
 import re
 from dataclasses import dataclass, replace
 
+from omgrpo.answers import normalize
 from omgrpo.tasks.base import Problem, TaskSplits
 
 _OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -152,6 +153,24 @@ def draw_difficulty(rng: random.Random, spec: ToyWorldSpec) -> str:
     return "hard" if rng.random() < spec.hard_share else "easy"
 
 
+def draw_distinct(
+    rng: random.Random, spec: ToyWorldSpec, pid: str, seen: set[str], budget: list[int]
+) -> Problem | None:
+    """A problem whose question is not in `seen` (added to it), or None once `budget[0]` draws
+    are spent. The difficulty is drawn once and kept across redraws: easy questions come from a
+    smaller space and collide more often, so redrawing the difficulty with the question would
+    tilt every de-duplicated sample toward hard problems (41 easy vs 87 hard at `hard_share`
+    0.5 in the first shortcut world)."""
+    difficulty = draw_difficulty(rng, spec)
+    while budget[0] > 0:
+        budget[0] -= 1
+        p = make_problem(rng, spec, pid, difficulty)
+        if p.question not in seen:
+            seen.add(p.question)
+            return p
+    return None
+
+
 def draw_guess(rng: random.Random, spec: ToyWorldSpec, difficulty: str) -> int:
     """A value from the guess prior: `guess_peak` with probability `guess_peak_p`, else uniform
     over the regime's value range."""
@@ -182,18 +201,14 @@ def generate_toy_splits(
     for offset, (name, n) in enumerate((("train", n_train), ("val", n_val), ("test", n_test))):
         rng = random.Random(f"omgrpo-toy-{seed}-{offset}")
         out: list[Problem] = []
-        attempts = 0
+        budget = [50 * n + 1000]  # draws left, shared by the whole split
         while len(out) < n:
-            attempts += 1
-            if attempts > 50 * n + 1000:
+            p = draw_distinct(rng, spec, f"{name}-{len(out)}", seen, budget)
+            if p is None:
                 raise ValueError(
                     f"toy task: cannot draw {n} distinct {name} problems from {spec}; "
                     "widen the ranges or ask for fewer problems"
                 )
-            p = make_problem(rng, spec, f"{name}-{len(out)}", draw_difficulty(rng, spec))
-            if p.question in seen:
-                continue
-            seen.add(p.question)
             out.append(p)
         splits[name] = out
     return TaskSplits(**splits)
@@ -211,14 +226,17 @@ def generate_sft_problems(
     exclude = exclude or set()
     out: list[Problem] = []
     attempts = 0
+    difficulty = None  # drawn once per slot and kept while excluded questions are redrawn
     while len(out) < n and attempts < 50 * n + 1000:
         attempts += 1
-        p = make_problem(rng, spec, f"sft-{len(out)}", draw_difficulty(rng, spec))
+        difficulty = difficulty or draw_difficulty(rng, spec)
+        p = make_problem(rng, spec, f"sft-{len(out)}", difficulty)
         if p.question in exclude:
             continue
-        difficulty = p.meta["difficulty"]
-        if guess_rng.random() < spec.guess_rate(difficulty):
-            p = with_guess(p, draw_guess(guess_rng, spec, difficulty), spec.bare_guess)
+        difficulty = None
+        if guess_rng.random() < spec.guess_rate(p.meta["difficulty"]):
+            guess = draw_guess(guess_rng, spec, p.meta["difficulty"])
+            p = with_guess(p, guess, spec.bare_guess)
         out.append(p)
     return out
 
@@ -246,10 +264,20 @@ def last_result(text: str) -> str | None:
     return None if span is None else text[span[0] : span[1]]
 
 
+def is_guess(text: str, answer: str | None) -> bool:
+    """Whether a response boxes an answer that its reasoning did not compute last: a different
+    value, or a box with no computed line before it (a bare guess). No answer: not a guess."""
+    if answer is None:
+        return False
+    computed = last_result(text)
+    return computed is None or normalize(answer) != computed
+
+
 def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:
     """A plausible wrong worked solution: one line's result is off by a small amount and the
     later lines carry the error forward correctly, as a model's own slip would. Returns None if
-    no slip keeps every value within [0, max_value] (the caller skips the problem).
+    no slip keeps every value within the problem's regime's [0, max_value] (the caller skips the
+    problem).
 
     Used for the CAR part of the warm start: comparisons of a correct and a wrong solution teach
     the base model the CAR answer format (a base LLM knows it from pre-training)."""
@@ -259,6 +287,7 @@ def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -
         return None
     steps = [(m.group(2), int(m.group(3))) for m in parsed]
     start = int(parsed[0].group(1))
+    max_value = spec.hard_max_value if problem.meta.get("difficulty") == "hard" else spec.max_value
     for _ in range(10):
         k = rng.randrange(len(steps))
         delta = rng.choice([-10, -2, -1, 1, 2, 10])
@@ -267,7 +296,7 @@ def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -
             new = value + n if op == "+" else value - n if op == "-" else value * n
             if idx == k:
                 new += delta
-            if not 0 <= new <= spec.max_value:
+            if not 0 <= new <= max_value:
                 ok = False
                 break
             out.append(f"{value}{op}{n}={new}")
