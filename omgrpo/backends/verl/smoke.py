@@ -118,9 +118,9 @@ def run_train(
 
 
 def gpu_overrides(model: str, train: Path, val: Path, steps: int) -> list[str]:
-    """A small run on one GPU (8 prompts x G = 4, 512 response tokens, vLLM)."""
+    """Overrides of a preset for a small run on one GPU (8 prompts x G = 4, 512 response
+    tokens, vLLM)."""
     return [
-        "experiment=paper_qwen3_1p7b",
         f"actor_rollout_ref.model.path={model}",
         f"data.train_files={train}",
         f"data.val_files={val}",
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="local HF checkpoint, e.g. Qwen3-0.6B")
     parser.add_argument("--out", default="verl-smoke", help="output directory")
+    parser.add_argument("--experiment", default="paper_qwen3_1p7b", help="verl preset")
     parser.add_argument("overrides", nargs="*", help="extra verl / omgrpo overrides")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     failed = False
     for name, (extra, total, expect, w, car, parts, collapse) in runs.items():
-        overrides = gpu_overrides(args.model, train, val, total) + extra + args.overrides
+        overrides = [f"experiment={args.experiment}", *gpu_overrides(args.model, train, val, total)]
+        overrides += extra + args.overrides
         print(f"verl smoke: {name}: omgrpo train backend=verl {' '.join(overrides)}", flush=True)
         rc = run_train(out / name, overrides)
         if rc != 0:
