@@ -34,8 +34,7 @@ SERVER_LOG = "OMGRPO_HF_SERVER_LOG"  # the hf server appends one JSON line per r
 BASE_SETTINGS = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
 BASE_SFT_STEPS = 300
 BASE_SFT_BATCH = 32
-WORLD = {"min_steps": 1, "max_steps": 2, "max_start": 9, "max_operand": 9, "max_factor": 3}
-WORLD["max_value"] = 30
+WORLD = dict(min_steps=1, max_steps=2, max_start=9, max_operand=9, max_factor=3, max_value=30)
 N_TRAIN, N_VAL = 8, 4
 
 
