@@ -78,6 +78,10 @@ def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFr
                     "recovery/zero_pass_prompts": 10.0,
                     "recovery/cum_pass": 0.1 * step + abs(noise()),
                     "recovery/cum_avg": 0.05 * step + abs(noise()),
+                    "val/acc_easy": v["level"] + 0.2 + noise(),
+                    "val/acc_hard": v["level"] - 0.2 + noise(),
+                    "val/guess_rate_hard": 0.3 + 0.02 * step + abs(noise()),
+                    "val/peak_share": 0.1 + 0.01 * step + abs(noise()),
                 }
                 if step > 0:
                     row |= {
@@ -92,6 +96,11 @@ def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFr
                         "kl/reasoning": 0.002 * step + abs(noise()),
                         "entropy/answer": 0.1 + noise(),
                         "entropy/reasoning": 0.3 + noise(),
+                        "kl/result": 0.003 * step + abs(noise()),
+                        "kl/format": 0.0005 * step + abs(noise()),
+                        "kl/other": 0.002 * step + abs(noise()),
+                        "answers/consistency": 0.9 - 0.01 * step + noise(),
+                        "answers/wrong_majority": 0.3 + noise(),
                         "time/gen": 1.0 + abs(noise()),
                         "time/reward": 0.1,
                         "time/update": 0.5,
@@ -174,6 +183,8 @@ def test_rollout_bias_without_rollouts(synth):
         ("car_top_vote", ["car/top_vote_acc_without_car"], "car.enable=true"),
         ("car_mechanics", ["car/select_correct"], "car.enable=true"),
         ("failure_recovery", ["recovery/cum_pass"], "eval.every"),
+        ("collapse_route", ["val/guess_rate_hard"], "experiment=toy_shortcut"),
+        ("token_roles", ["kl/result"], "experiment=toy_shortcut"),
     ],
 )
 def test_missing_metrics_name_the_preset(name, drop, preset, synth, tmp_path):

@@ -41,11 +41,13 @@ __all__ = [
     "base_strength",
     "car_mechanics",
     "car_top_vote",
+    "collapse_route",
     "failure_recovery",
     "kl_answer_reasoning",
     "metric_range",
     "rollout_bias",
     "ten_epoch_dynamics",
+    "token_roles",
     "training_dynamics",
     "unique_answers",
 ]
@@ -110,15 +112,17 @@ MIN_SEEDS_FOR_CI = 3
 """Fewer seeds draw each seed instead of a t-band (a 2-seed 95% interval uses t = 12.7)."""
 
 _UNIT_INTERVAL = re.compile(
-    r"(val/(acc|pass@\w+|extract_rate)|acc/.+|recovery/cum_(pass|avg)|rollout/top_answer_share"
-    r"|answers/(batch_mode_share|extract_rate|top_vote_acc|confidently_wrong|label_flip_rate)"
+    r"(val/(acc(_\w+)?|pass@\w+|extract_rate|consistency|guess_rate_\w+|bare_guess_rate"
+    r"|peak_share)|acc/.+|recovery/cum_(pass|avg)|rollout/top_answer_share"
+    r"|answers/(batch_mode_share|extract_rate|top_vote_acc|confidently_wrong|label_flip_rate"
+    r"|wrong_majority|consistency|guess_rate_\w+|bare_guess_rate|peak_share)"
     r"|car/(position_bias|select_correct|incorrect_pair_first|top_vote_acc_without_car|unclosed)"
     r"|clip/frac|answer/frac)"
 )
 _NON_NEGATIVE = re.compile(
     r"(answers/(unique_.+|vote_entropy)|val/unique_answers|kl/.+|loss/kl|entropy/.+"
     r"|car/(anchor_entropy_.+|pool_size|truncated|num_pairs)|recovery/zero_pass_prompts"
-    r"|time/.+|mem/.+|perf/.+|response/.+|grad/norm|lr|train/.+)"
+    r"|time/.+|mem/.+|perf/.+|response/.+|grad/(norm|answer_norm|reasoning_norm)|lr|train/.+)"
 )
 
 
@@ -690,6 +694,66 @@ def draw_failure_recovery(df: pd.DataFrame, rollouts: pd.DataFrame | None = None
     return fig
 
 
+HINT_WORLDS = (
+    "runs in a toy world with a difficulty mix, e.g. `omgrpo train experiment=toy_shortcut "
+    "method=mv` (and method=gt, om_grpo_no_car, om_grpo_no_car_no_omu), or `make study`"
+)
+
+
+def _panels(df: pd.DataFrame, metrics: Sequence[tuple[str, str]], title: str) -> Figure:
+    """One panel per (metric, title) that `df` has, curves per variant (bases and worlds of
+    the same variant pooled: filter `df` to one world first)."""
+    df = _with_labels(df, df["variant"])
+    colors = _colors(df)
+    present = [(m, t) for m, t in metrics if _has(df, m)]
+    cols = min(3, len(present))
+    fig = _new_figure(math.ceil(len(present) / cols), cols)
+    axes = _axes(fig)
+    for ax, (metric, text) in zip(axes, present):
+        _curves(ax, df, metric, colors=colors)
+        ax.set_title(text)
+    for ax in axes[len(present) :]:
+        ax.set_visible(False)
+    _legend(axes[0])
+    fig.suptitle(title)
+    return fig
+
+
+def draw_collapse_route(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
+    """The shortcut worlds' route to collapse (docs/toy-worlds.md): validation accuracy on easy
+    and hard problems, the hard-problem guess rate (a boxed answer the reasoning did not
+    compute), the share of samples boxing the guess prior's peak ("1"), and in training the
+    answer-reasoning consistency and the share of groups with a wrong majority."""
+    _need(df, "collapse route", ["val/acc_hard", "val/guess_rate_hard"], HINT_WORLDS)
+    metrics = [
+        ("val/acc_easy", "val accuracy, easy"),
+        ("val/acc_hard", "val accuracy, hard"),
+        ("val/guess_rate_hard", "val guess rate, hard"),
+        ("val/peak_share", 'val share boxing the peak ("1")'),
+        ("val/bare_guess_rate", "val bare-guess rate"),
+        ("answers/consistency", "train: answer = last computed value"),
+        ("answers/wrong_majority", "train: groups with a wrong majority"),
+    ]
+    return _panels(df, metrics, "Collapse route")
+
+
+def draw_token_roles(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
+    """KL to the reference by token role (answer, the last computed result, the closing line
+    and the other reasoning tokens), and the gradient probe: norms and cosine of the answer
+    tokens' and the other tokens' policy-gradient parts."""
+    _need(df, "token roles", ["kl/answer", "kl/result"], HINT_WORLDS)
+    metrics = [
+        ("kl/answer", "KL: answer"),
+        ("kl/result", "KL: last computed result"),
+        ("kl/format", "KL: closing line"),
+        ("kl/other", "KL: other reasoning"),
+        ("grad/answer_norm", "PG gradient norm: answer"),
+        ("grad/reasoning_norm", "PG gradient norm: other tokens"),
+        ("grad/answer_reasoning_cos", "cosine, answer vs other"),
+    ]
+    return _panels(df, metrics, "Token roles")
+
+
 # -- registry ----------------------------------------------------------------------------------
 FigureFn = Callable[..., list[Path]]
 
@@ -718,6 +782,8 @@ car_mechanics = _exported("car_mechanics", draw_car_mechanics)
 rollout_bias = _exported("rollout_bias", draw_rollout_bias)
 base_strength = _exported("base_strength", draw_base_strength)
 failure_recovery = _exported("failure_recovery", draw_failure_recovery)
+collapse_route = _exported("collapse_route", draw_collapse_route)
+token_roles = _exported("token_roles", draw_token_roles)
 
 FIGURES: dict[str, FigureFn] = {
     "training_dynamics": training_dynamics,
@@ -730,6 +796,8 @@ FIGURES: dict[str, FigureFn] = {
     "rollout_bias": rollout_bias,
     "base_strength": base_strength,
     "failure_recovery": failure_recovery,
+    "collapse_route": collapse_route,
+    "token_roles": token_roles,
 }
 """Every figure, in the paper's order: name -> fn(df, out_dir, *, rollouts=None)."""
 
@@ -747,6 +815,8 @@ TITLES = {
     "rollout_bias": "Rollout-level pseudo-label bias",
     "base_strength": "Weak vs strong base",
     "failure_recovery": "Failure recovery (prompts with initial pass@k = 0)",
+    "collapse_route": "Collapse route (guessing, the peak answer, accuracy by difficulty)",
+    "token_roles": "KL by token role and the answer/reasoning gradient probe",
 }
 
 

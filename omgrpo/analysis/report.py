@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -114,6 +114,9 @@ def write_report(
         "",
     ]
 
+    # -- the toy bases' acceptance checks (omgrpo.basecheck) --------------------------------
+    lines += base_checks_section(base_checks(dirs))
+
     # -- tables --------------------------------------------------------------------------
     lines += ["## Tables", ""]
     for name, table in tables.items():
@@ -168,6 +171,46 @@ def write_report(
     path.write_text("\n".join(lines))
     (out_dir / "summary.json").write_text(json.dumps(summarize(df), indent=2) + "\n")
     return path
+
+
+def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
+    """Base directory -> its stored acceptance checks (`checks.json`; None: never checked), for
+    the toy bases the runs started from."""
+    from omegaconf import OmegaConf
+
+    from omgrpo.basecheck import read_base_checks
+    from omgrpo.config import Config
+    from omgrpo.models.toy import toy_base_key
+
+    schema = OmegaConf.structured(Config)
+    out: dict[str, dict | None] = {}
+    for run_dir in run_dirs:
+        # on today's schema: configs written before a field existed get its default
+        cfg = OmegaConf.merge(schema, OmegaConf.load(Path(run_dir) / "config.yaml"))
+        if cfg.model.path or cfg.task.name != "toy":
+            continue
+        base = Path(cfg.model.cache_dir) / f"toy-base-{toy_base_key(cfg.model, cfg.task)}"
+        label = f"{cfg.run.experiment} (warm-start seed {cfg.model.warm_start.seed}): {base}"
+        if label not in out:
+            out[label] = read_base_checks(base) if base.exists() else None
+    return out
+
+
+def base_checks_section(checks: dict[str, dict | None]) -> list[str]:
+    """Markdown lines: each toy base's acceptance checks (`omgrpo.basecheck.format_checks`)."""
+    from omgrpo.basecheck import format_checks
+
+    if not checks:
+        return []
+    lines = ["## Base checks", ""]
+    for label, stored in checks.items():
+        text = (
+            format_checks(stored)
+            if stored
+            else "no checks.json beside the base (not on this machine, or never checked)"
+        )
+        lines += [label, "", "```", text, "```", ""]
+    return lines
 
 
 _SUMMARY_FIELDS = {
