@@ -359,3 +359,16 @@ def test_missing_answer_mask_names_the_agent_loop():
     proto.batch = proto.batch.exclude(ANSWER_MASK_KEY)
     with pytest.raises(KeyError, match="agent_loop_manager_class"):
         apply_answer_weighting(proto, 0.0)
+
+
+@pytest.mark.parametrize(("w", "share"), [(0.0, 0.0), (0.5, 3.0 / 19.5), (1.0, 6.0 / 22.5)])
+def test_answer_share_of_pg_weight(actor_config_factory, w, share):
+    """`pg/answer_weight_share` by hand: |A| = [1.5, 0.5, 0.75, 1.25] on [6, 4, 7, 5] response
+    tokens, [2, 1, 0, 2] of them answer tokens weighted by w: answer 6w, reasoning
+    4*1.5 + 3*0.5 + 7*0.75 + 3*1.25 = 16.5; `answer/frac` = 5 / 22."""
+    data, logp = weighted_batch(w)
+    _, metrics, _ = run_loss(omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=w)
+    out = loss_metric_means({f"actor/{k}": metric_value(m) for k, m in metrics.items()})
+    assert out["pg/answer_weight_share"] == pytest.approx(share, abs=0 if w == 0 else 1e-6)
+    assert out["answer/frac"] == pytest.approx(5 / 22)
+    assert not any("pg_weight/" in k for k in out)  # the sums are replaced by the shares

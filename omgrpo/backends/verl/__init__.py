@@ -17,6 +17,8 @@ pieces, one module each:
 | trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
 | config      | the `omgrpo` config section and composing verl's `ppo_trainer` with a preset   |
 | launch      | `omgrpo train backend=verl ...` (`--dry-run` prints the composed config)       |
+| data        | problems as verl's RL parquet rows (the toy world's for the smoke / CPU tests)  |
+| smoke       | GPU smoke test (`scripts/gpu_smoke.sh`) and its checks of a run's logged metrics |
 
 Nothing here imports verl at package import time, so `omgrpo.backends.verl.config` can explain
 a missing extra instead of failing with an ImportError.

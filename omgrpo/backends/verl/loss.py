@@ -92,6 +92,7 @@ def omgrpo_ppo_loss(
         answer = data[ANSWER_MASK_KEY].to(bool) & response_mask
     else:
         answer = torch.zeros_like(response_mask)
+    reasoning = response_mask & ~answer
     loss_agg_mode = config.loss_agg_mode
 
     policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
@@ -106,6 +107,9 @@ def omgrpo_ppo_loss(
     )
     metrics.update(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
+    # |A| per token is the token's weight in the PG term: its answer share shows the masking
+    # that reached this loss (0 at w = 0), `answer/frac` that the answer masks did.
+    metrics.update(_split_sums("pg_weight", data["advantages"].abs(), answer, reasoning))
     policy_loss = pg_loss
 
     if entropy is not None:
@@ -133,9 +137,12 @@ def omgrpo_ppo_loss(
         policy_loss += kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
         metrics["kl_coef"] = config.kl_loss_coef
-        metrics.update(_split_sums("kl", kld, answer, response_mask & ~answer))
+        metrics.update(_split_sums("kl", kld, answer, reasoning))
 
     return policy_loss, metrics
+
+
+_SPLIT_KEYS = ("answer_sum", "answer_count", "reasoning_sum", "reasoning_count")
 
 
 def _split_sums(name: str, values: torch.Tensor, answer: torch.Tensor, reasoning: torch.Tensor):
@@ -148,18 +155,29 @@ def _split_sums(name: str, values: torch.Tensor, answer: torch.Tensor, reasoning
         stats = torch.stack(
             [(v * answer).sum(), answer.sum(), (v * reasoning).sum(), reasoning.sum()]
         ).tolist()
-    keys = (f"{name}/answer_sum", f"{name}/answer_count")
-    keys += (f"{name}/reasoning_sum", f"{name}/reasoning_count")
+    keys = [f"{name}/{k}" for k in _SPLIT_KEYS]
     return {k: Metric(value=x, aggregation=AggregationType.SUM) for k, x in zip(keys, stats)}
 
 
 def loss_metric_means(metrics: dict[str, Any], prefix: str = "actor/") -> dict[str, Any]:
-    """Replace the `kl/<kind>_sum` / `_count` pairs (as verl reduced them, under `prefix`) by
-    `kl/answer` and `kl/reasoning` token means (nan when a step has no such token); in place,
-    returns `metrics`."""
+    """Replace the `<name>/<kind>_sum` / `_count` pairs (as verl reduced them, under `prefix`)
+    by step-level metrics; in place, returns `metrics`:
+
+    - `kl/answer`, `kl/reasoning`: token means of the unweighted KL (nan without such tokens);
+    - `answer/frac`: share of response tokens in the answer span (the native trainer's name);
+    - `pg/answer_weight_share`: share of the summed per-token |advantage| (each token's weight
+      in the policy-gradient term) on answer tokens: w-weighted, so exactly 0 at w = 0
+      (nan when every advantage is 0).
+    """
     for kind in ("answer", "reasoning"):
         total = metrics.pop(f"{prefix}kl/{kind}_sum", None)
         count = metrics.pop(f"{prefix}kl/{kind}_count", None)
         if total is not None and count is not None:
             metrics[f"kl/{kind}"] = float(total) / float(count) if count else math.nan
+    pg = {k: metrics.pop(f"{prefix}pg_weight/{k}", None) for k in _SPLIT_KEYS}
+    if all(v is not None for v in pg.values()):
+        tokens = float(pg["answer_count"]) + float(pg["reasoning_count"])
+        weight = float(pg["answer_sum"]) + float(pg["reasoning_sum"])
+        metrics["answer/frac"] = float(pg["answer_count"]) / tokens if tokens else math.nan
+        metrics["pg/answer_weight_share"] = float(pg["answer_sum"]) / weight if weight else math.nan
     return metrics
