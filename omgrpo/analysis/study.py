@@ -18,8 +18,11 @@ world's own base and those seeds.
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +33,8 @@ import pandas as pd
 import yaml
 
 from omgrpo.analysis.figures import DRAW, MissingRunsError
-from omgrpo.analysis.load import t_critical
+from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
+from omgrpo.analysis.report import base_checks, base_checks_section
 
 __all__ = ["Verdict", "evaluate", "read_preregistration", "verdict_table"]
 
@@ -225,13 +229,6 @@ def write_study_report(
     seconds: float | None = None,
 ) -> Path:
     """`out`/report.md, summary.json and figures/<world>.png for a pre-registered study."""
-    import json
-    import subprocess
-    import time
-
-    from omgrpo.analysis.load import find_run_dirs, load_runs
-    from omgrpo.analysis.report import base_checks, base_checks_section
-
     spec = read_preregistration(prereg)
     out = Path(out)
     (out / "figures").mkdir(parents=True, exist_ok=True)
