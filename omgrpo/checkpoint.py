@@ -45,6 +45,9 @@ RESUME_IGNORED_KEYS = {
     "trainer.save_every",
     "trainer.keep_checkpoints",
     "trainer.keep_best",
+    # where the base comes from (shipped or trained): the base of a run that has a checkpoint
+    # is already in the cache; the key, not this, names the weights
+    "model.warm_start.shipped",
 }
 RESUME_IGNORED_SECTIONS = ("tracking.", "console.")
 

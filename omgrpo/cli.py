@@ -21,6 +21,10 @@ commands:
                            omgrpo train backend=verl experiment=paper_qwen3_1p7b --dry-run
                              (verl backend, docs/verl.md; --dry-run prints verl's composed
                              config without starting Ray)
+  base [--ship [--note TEXT]] [overrides...]
+                         the toy base of a config (e.g. experiment=toy_shortcut): installed from
+                         omgrpo/bases/ or trained, with its acceptance checks; --ship copies it
+                         into omgrpo/bases/ with its recipe and sha256s (docs/toy-worlds.md)
   sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
                          replay a run's local store (config, metrics, rollouts) into a tracker,
                          e.g. after its backend failed during training
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train(rest)
+    if command == "base":
+        return _base(rest)
     if command == "sync":
         return _sync(rest)
     if command == "sweep":
@@ -108,6 +114,39 @@ def _train(overrides: list[str]) -> int:
 
     sys.argv = ["omgrpo-train", *overrides]
     app()
+    return 0
+
+
+def _base(args: list[str]) -> int:
+    import argparse
+    from pathlib import Path
+
+    from omgrpo.basecheck import format_checks, read_base_checks
+    from omgrpo.config import compose
+    from omgrpo.models.bases import ship_base
+    from omgrpo.models.loading import base_model_dir
+    from omgrpo.models.toy import toy_base_recipe
+    from omgrpo.tasks.registry import load_task
+
+    parser = argparse.ArgumentParser(prog="omgrpo base", description="A config's toy base.")
+    parser.add_argument("--ship", action="store_true", help="copy it into omgrpo/bases/")
+    parser.add_argument("--note", help="provenance note stored in the manifest (with --ship)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
+    ns = parser.parse_args(args)
+    ship, overrides = ns.ship, ns.overrides
+    cfg = compose(overrides)
+    if cfg.model.path or cfg.task.name != "toy":
+        print("omgrpo base: only toy bases (model.path unset, task toy)", file=sys.stderr)
+        return 2
+    base = Path(base_model_dir(cfg.model, cfg.task, load_task(cfg.task)))
+    checks = read_base_checks(base)
+    print(f"base: {base}")
+    print(format_checks(checks) if checks else "base checks: none stored (check_problems=0?)")
+    if ship:
+        command = " ".join(["omgrpo base", *overrides])
+        recipe = toy_base_recipe(cfg.model, cfg.task)
+        dest = ship_base(base, recipe, command, note=ns.note)
+        print(f"shipped: {dest}")
     return 0
 
 

@@ -115,6 +115,9 @@ class WarmStartConfig:
     """Unseen problems, sampled 8 times each, for the base's acceptance checks (guess rates,
     answer-token entropy, accuracy by difficulty; omgrpo.basecheck), stored as checks.json
     beside the base. 0 skips them. Not part of the base's cache key."""
+    shipped: bool = True
+    """Use the base shipped with omgrpo (`omgrpo/bases/`, made by `omgrpo base ... --ship`)
+    when one has this key, instead of training it; false trains it. Not part of the key."""
 
 
 @dataclass

@@ -287,8 +287,11 @@ def _prepare_toy_bases(runs: list[Run], say) -> None:
     from omgrpo.models.loading import base_model_dir
     from omgrpo.tasks import load_task
 
-    for cfg in needed.values():
-        say(f"  training the shared toy base once ({cfg.model.warm_start.steps} SFT steps)")
+    for key, cfg in needed.items():
+        steps = cfg.model.warm_start.steps
+        say(
+            f"  preparing the shared toy base {key} once (shipped with omgrpo, or {steps} SFT steps)"
+        )
         base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
 
 

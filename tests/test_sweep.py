@@ -17,7 +17,7 @@ EXPECTED_RUNS = {
     "car_vs_n": 4 * 3,  # om_grpo (CAR, n = 8) vs no CAR at n = 8, 16, 64
     "ttt": 2 * 3,  # mv, om_grpo on toy_ttt
     "base_strength": 2 * 2 * 3,  # toy_weak / toy_strong x mv / om_grpo
-    "collapse_demo": 4 * 1,  # gt, mv, om_grpo w/o CAR, w/o CAR and OMU; seed 0 (make demo)
+    "collapse_demo": 4 * 1,  # gt, mv, w = 1, om_grpo w/o CAR (shortcut world); seed 0 (make demo)
     # the pre-registered collapse study (make study): per seed; 6 secondary; 3 worlds x 4
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
@@ -216,7 +216,7 @@ def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys
     assert main([str(path), "--jobs", "2"]) == 0
     out = capsys.readouterr()
     assert "4 done, 0 skipped, 0 failed" in out.out
-    assert "training the shared toy base once" in out.err
+    assert "preparing the shared toy base" in out.err
     assert len(list(cache.glob("toy-base-*/config.json"))) == 1
     for name in names:
         assert json.loads((root / name / "status.json").read_text())["state"] == "finished"
@@ -265,3 +265,26 @@ def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
         log = tmp_path / "runs" / f"broken__om_grpo__s{seed}.log"
         assert str(log) in out.err
         assert "task.train_path" in log.read_text()
+
+
+def test_the_demo_is_the_studys_seed0_cut_short():
+    """`make demo` runs the first 90 steps of the collapse study's seed-0 central runs: same
+    world, base, method settings and warm-up steps; only the length and the names differ."""
+    from omgrpo.checkpoint import flatten
+    from omgrpo.config import compose, to_container
+
+    demo = expand_grid(load_sweep(SWEEPS / "collapse_demo.yaml"))
+    study = expand_grid(load_sweep(SWEEPS / "collapse_study_central.yaml"))
+    assert len(demo) == 4
+    for overrides in demo:
+        method = next(o for o in overrides if o.startswith("method="))
+        twin = next(g for g in study if method in g)  # every demo method is in the study
+        a = flatten(to_container(compose(overrides)))
+        b = flatten(to_container(compose(twin)))
+        differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        names = {"run.experiment", "run.root", "run.name"}
+        assert differ == {"trainer.steps", "optim.warmup_ratio", *names}
+        assert a["trainer.steps"] < b["trainer.steps"]
+        assert round(a["optim.warmup_ratio"] * a["trainer.steps"]) == round(
+            b["optim.warmup_ratio"] * b["trainer.steps"]
+        )

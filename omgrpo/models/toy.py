@@ -26,6 +26,7 @@ from omgrpo.car import car_prompt, car_text
 from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.engine import left_pad, right_pad
 from omgrpo.losses import token_logprobs_and_entropy
+from omgrpo.models.bases import install_shipped
 from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
 from omgrpo.rollout import Sequences, response_logits
 from omgrpo.tasks.base import render_prompt
@@ -77,9 +78,13 @@ def _world_key(spec: ToyWorldSpec) -> dict[str, Any]:
     return key
 
 
-def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
+def toy_base_recipe(model_cfg: Any, task_cfg: Any) -> dict[str, Any]:
+    """Everything that determines a toy base's weights; its sha256 is the base's key."""
     warm_start = dict(model_cfg.warm_start)
-    warm_start.pop("check_problems", None)  # measured after training, does not change weights
+    # neither changes the weights: checks are measured after training, `shipped` says where
+    # the weights come from
+    warm_start.pop("check_problems", None)
+    warm_start.pop("shipped", None)
     if not warm_start.get("car_share"):  # bases trained before CAR batches existed keep their key
         warm_start.pop("car_share", None)
     spec = {
@@ -96,14 +101,26 @@ def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
         "world": _world_key(ToyWorldSpec.from_config(task_cfg)),
         "task_seed": task_cfg.seed,
     }
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    return spec
+
+
+def recipe_key(recipe: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
+    return recipe_key(toy_base_recipe(model_cfg, task_cfg))
 
 
 def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) -> Path:
-    """Return the cached base-model directory, training it first if needed."""
+    """Return the cached base-model directory: installed from the bases shipped with omgrpo
+    when one has this key (`omgrpo.models.bases`), else trained first."""
     key = toy_base_key(model_cfg, task_cfg)
     out = Path(model_cfg.cache_dir) / f"toy-base-{key}"
     if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if model_cfg.warm_start.get("shipped", True) and install_shipped(key, out):
         return out
     # One thread, always: float reductions differ with the thread count, and a base must be
     # the same wherever its key is trained (a fresh clone reproduces a committed study).
