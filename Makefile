@@ -52,9 +52,10 @@ format: setup
 test: setup lint
 	$(VENV)/bin/pytest -q
 
-# The collapse study: GT reward, majority voting, OM-GRPO and OM-GRPO w/o OMU from one shared
-# toy base (sweeps/collapse_demo.yaml), 2 runs at a time, then the report with summary.json and
-# the training-dynamics figure. More seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are
+# The collapse study's central comparison in the shortcut world (sweeps/collapse_demo.yaml): GT
+# reward, majority voting, soft vote + format with w = 1, and OM-GRPO (w = 0), 90 steps each from
+# the shipped shortcut base, 2 runs at a time, then the report (what happened, in words),
+# summary.json and the figures. More seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are
 # skipped when run again.
 DEMO_SEEDS ?= 0
 DEMO_RUNS ?= runs/collapse-demo
@@ -64,7 +65,7 @@ demo: $(VENV)/.installed-base
 	@for seed in $(DEMO_SEEDS); do \
 		$(VENV)/bin/omgrpo sweep sweeps/collapse_demo.yaml --jobs 2 seed=$$seed run.root=$(DEMO_RUNS) || exit 1; \
 	done
-	$(VENV)/bin/omgrpo report $(DEMO_RUNS) --out $(DEMO_REPORT) --title "Collapse study (toy world)"
+	$(VENV)/bin/omgrpo report $(DEMO_RUNS) --out $(DEMO_REPORT) --title "Collapse demo (shortcut world)"
 	@echo "report: $(DEMO_REPORT)/report.md  summary: $(DEMO_REPORT)/summary.json"
 
 # The pre-registered collapse study (reports/collapse-study/PREREGISTRATION.md): resumable,

@@ -555,3 +555,34 @@ def test_report_command_names_every_run(tmp_path):
         assert "collapse_step" in entry
         method = summary["methods"][entry["variant"]]
         assert entry["run"] in method["runs"] and entry["seed"] in method["seeds"]
+
+
+def test_what_happened_says_how_each_run_moved():
+    """One sentence per run, first → last validation value, best run first, with its verdict."""
+    from omgrpo.analysis.report import trajectories, what_happened
+
+    def run(name, method, acc, guess, unique, share):
+        frame = run_frame(unique, share)
+        frame.loc[[0, len(frame) - 1], "val/acc"] = acc
+        frame.loc[[0, len(frame) - 1], "val/guess_rate_hard"] = guess
+        ident = {"run": name, "experiment": "w", "variant": method, "method": method}
+        return frame.assign(**ident, seed=0, scale="toy")
+
+    df = pd.concat(
+        [
+            run("w__mv__s0", "mv", [0.68, 0.33], [0.22, 0.97], [3, 1, 1, 1], [0.2, 0.7, 0.8, 0.9]),
+            run("w__gt__s0", "gt", [0.68, 0.69], [0.22, 0.0], [3, 3, 3, 3], [0.2, 0.2, 0.2, 0.2]),
+        ],
+        ignore_index=True,
+    )
+    assert trajectories(df[df["run"] == "w__mv__s0"]) == {
+        "val/acc": {"start": 0.68, "final": 0.33},
+        "val/guess_rate_hard": {"start": 0.22, "final": 0.97},
+    }
+    lines = [line for line in what_happened(df) if line.startswith("- ")]
+    assert lines == [
+        "- `w__gt__s0` (gt, seed 0, validation at step 0 → 4): accuracy 0.68 → 0.69; "
+        "hard-problem guess rate 0.22 → 0.00; stable.",
+        "- `w__mv__s0` (mv, seed 0, validation at step 0 → 4): accuracy 0.68 → 0.33; "
+        "hard-problem guess rate 0.22 → 0.97; collapsed at step 4.",
+    ]

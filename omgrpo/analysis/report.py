@@ -6,7 +6,8 @@ out_dir/report.md      title, per-run table with a collapse verdict, the tables,
                        every run's resolved config (collapsed)
 out_dir/figures/       the figures, PNG + PDF
 out_dir/summary.json   per run and per method (variant, over seeds): peak and final val acc,
-                       final unique answers per prompt, final batch-mode share, collapse step
+                       final unique answers per prompt, final batch-mode share, collapse step;
+                       per run the first and last value of each validation metric it logged
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ def write_report(
         "",
     ]
 
+    lines += what_happened(df)
+
     # -- the toy bases' acceptance checks (omgrpo.basecheck) --------------------------------
     lines += base_checks_section(base_checks(dirs))
 
@@ -171,6 +174,60 @@ def write_report(
     path.write_text("\n".join(lines))
     (out_dir / "summary.json").write_text(json.dumps(summarize(df), indent=2) + "\n")
     return path
+
+
+# Validation metrics the report describes in words, in this order (README "Metrics").
+NARRATED = {
+    "val/acc": "accuracy",
+    "val/acc_easy": "easy",
+    "val/acc_hard": "hard",
+    "val/guess_rate_hard": "hard-problem guess rate",
+    "val/bare_guess_rate": "bare-guess rate",
+    "val/peak_share": 'share boxing "1"',
+}
+
+
+def trajectories(run_df: pd.DataFrame) -> dict[str, dict[str, float | None]]:
+    """{metric: {"start", "final"}}: the first and last logged value of each `NARRATED`
+    validation metric in one run's rows."""
+    out = {}
+    for metric in NARRATED:
+        if metric not in run_df.columns:
+            continue
+        values = run_df[["step", metric]].dropna().sort_values("step")[metric]
+        if len(values):
+            out[metric] = {"start": _number(values.iloc[0]), "final": _number(values.iloc[-1])}
+    return out
+
+
+def what_happened(df: pd.DataFrame) -> list[str]:
+    """Markdown: one sentence per run saying, from its logs, how its validation metrics moved
+    from the first evaluation to the last, and whether it collapsed."""
+    if df.empty:
+        return []
+    lines = ["## What happened", ""]
+    summary = run_summary(df).sort_values("final val/acc", ascending=False)
+    for _, row in summary.iterrows():
+        part = df[df["run"] == row["run"]]
+        moves = [
+            f"{NARRATED[m]} {v['start']:.2f} → {v['final']:.2f}"
+            for m, v in trajectories(part).items()
+            if v["start"] is not None and v["final"] is not None
+        ]
+        last = part.dropna(subset=["val/acc"])["step"].max() if "val/acc" in part else None
+        span = f", validation at step 0 → {int(last)}" if moves and pd.notna(last) else ""
+        lines.append(
+            f"- `{row['run']}` ({row['method']}, seed {row['seed']}{span}): "
+            + ("; ".join(moves) or "no validation logged")
+            + f"; {verdict(part)}."
+        )
+    lines += [
+        "",
+        "Runs are ordered by final validation accuracy. The guess rate counts samples whose "
+        "boxed answer differs from the value their own reasoning computed last.",
+        "",
+    ]
+    return lines
 
 
 def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
@@ -240,6 +297,7 @@ def summarize(df: pd.DataFrame) -> dict:
                 "steps": int(row["steps"]),
                 **{key: _number(row[col]) for key, col in _SUMMARY_FIELDS.items()},
                 "collapse_step": collapse_step(part),
+                "val": trajectories(part),
             }
             runs.append(entry)
     methods: dict[str, dict] = {}

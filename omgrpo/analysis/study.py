@@ -34,7 +34,7 @@ import yaml
 
 from omgrpo.analysis.figures import DRAW, MissingRunsError
 from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
-from omgrpo.analysis.report import base_checks, base_checks_section
+from omgrpo.analysis.report import base_checks, base_checks_section, what_happened
 
 __all__ = ["Verdict", "evaluate", "read_preregistration", "verdict_table"]
 
@@ -270,6 +270,7 @@ def write_study_report(
             "",
         ]
     lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
+    lines += what_happened(df)
     lines += base_checks_section(checks)
     lines += ["## Figures", ""] + [f"![{f}](figures/{f})" for f in figures]
     (out / "report.md").write_text("\n".join(lines) + "\n")
