@@ -6,7 +6,10 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   each shape in a fresh process (so peak memory is that shape's). `--baseline DIR` runs the same
   shapes with the omgrpo source tree in DIR (e.g. a `git worktree` of an older commit) right
   after, and reports new-over-old speed-ups measured in the same run (`--new-only KEY=VALUE`:
-  overrides the baseline does not know, e.g. `model.tokenizer=char`).
+  overrides the baseline does not know, e.g. `model.tokenizer=char`). `--vs-trl` also runs TRL's
+  `GRPOTrainer` (the `bench` extra) on the same base model, prompts, G, max new tokens,
+  temperature, top-p, beta, clip and learning rate, each shape right after omgrpo's, and reports
+  `trl_over_omgrpo` = TRL's seconds per step / omgrpo's.
 
 `car`: the cost of CAR against its alternatives, per training step:
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
@@ -198,9 +201,19 @@ def _measure(overrides: list[str], steps: int, source: Path | None = None) -> di
     to import, default this one)."""
     # `python -c` imports from its working directory first: run in the tree to measure.
     tree = Path(source or Path(__file__).resolve().parent.parent).resolve()
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return _run_script(_MEASURE, [str(steps), *overrides], tree)
+
+
+def _measure_trl(overrides: list[str], steps: int) -> dict:
+    """The same figures for TRL's GRPOTrainer on the same base and batch (`omgrpo.trl_peer`)."""
+    return _run_script(_TRL_MEASURE, [str(steps), *overrides], Path(__file__).parent.parent)
+
+
+def _run_script(script: str, argv: list[str], tree: Path) -> dict:
+    """Run a measuring script in a fresh Python importing omgrpo from `tree`; its result line."""
+    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(steps), *overrides],
+        [sys.executable, "-c", script, *argv],
         cwd=tree,
         env=env,
         stdout=subprocess.PIPE,
@@ -211,12 +224,22 @@ def _measure(overrides: list[str], steps: int, source: Path | None = None) -> di
     return json.loads(line.removeprefix("BENCH-RESULT "))
 
 
+# Runs TRL's GRPOTrainer in a fresh process on the base and settings of the omgrpo overrides;
+# prints per-step wall seconds (the first step dropped, as for omgrpo).
+_TRL_MEASURE = """
+import json, sys
+from omgrpo.trl_peer import trl_step_seconds
+print("BENCH-RESULT " + json.dumps(trl_step_seconds(int(sys.argv[1]), sys.argv[2:])))
+"""
+
+
 def bench_step(
     steps: int = 3,
     overrides: list[str] | None = None,
     partial: Path | None = None,
     baseline: Path | None = None,
     new_only: list[str] | None = None,
+    vs_trl: bool = False,
 ) -> dict:
     fixed = _fixed(steps, ["method=mv", *(overrides or [])])
     # A relative cache dir would differ between this tree and the baseline's working dir.
@@ -231,6 +254,11 @@ def bench_step(
         if baseline is not None:  # back to back with the new tree, same shape, same base
             print(f"bench step: {shape} baseline {baseline}", file=sys.stderr, flush=True)
             result["old"][shape] = _measure([*fixed, *extra], steps, source=baseline)
+        if vs_trl:
+            print(f"bench step: {shape} TRL GRPOTrainer", file=sys.stderr, flush=True)
+            result.setdefault("trl", {})[shape] = _measure_trl(
+                [*fixed, *extra, *(new_only or [])], steps
+            )
         if partial is not None:
             partial.write_text(json.dumps({"partial": True, **result}, indent=2))
     if baseline is not None:
@@ -244,6 +272,12 @@ def bench_step(
         }
     else:
         del result["old"]
+    if vs_trl:
+        result["trl_over_omgrpo"] = {
+            shape: result["trl"][shape]["time/step"] / result["new"][shape]["time/step"]
+            for shape in STEP_SHAPES
+        }
+        result["trl_target"] = 3.0  # issue 11: omgrpo >= 3x faster than TRL
     return result
 
 
@@ -267,6 +301,11 @@ def main(argv: list[str]) -> int:
         help="step: an override for this tree only (keys the baseline does not know)",
     )
     parser.add_argument(
+        "--vs-trl",
+        action="store_true",
+        help="step: also run TRL's GRPOTrainer on the same model and batch (pip install -e .[bench])",
+    )
+    parser.add_argument(
         "--variants",
         type=lambda text: text.split(","),
         help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
@@ -274,7 +313,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
     kwargs = (
-        {"baseline": ns.baseline, "new_only": ns.new_only}
+        {"baseline": ns.baseline, "new_only": ns.new_only, "vs_trl": ns.vs_trl}
         if ns.name == "step"
         else {"variants": ns.variants}
     )

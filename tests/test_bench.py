@@ -26,3 +26,16 @@ def test_bench_step_reports_stages_per_shape_and_speedups_over_a_baseline_tree(
             assert figures["time/step"] >= figures["time/gen"] > 0
             assert figures["perf/tokens_per_s"] > 0 and figures["mem/peak_gb"] > 0
     assert set(result["speedup"]["64x8"]) == {"time/step", "time/gen"}
+
+
+def test_bench_step_vs_trl_runs_trls_trainer_on_the_same_model_and_batch(
+    tiny_overrides, tmp_path, capsys
+):
+    pytest.importorskip("trl", reason="the peer comparison needs the `bench` extra")
+    args = ["step", "--steps", "2", "--json", "--vs-trl"]
+    assert main([*args, *tiny_overrides, "eval.every=0"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    for shape in ("16x8", "64x8"):
+        assert result["trl"][shape]["steps"] == 2 and result["trl"][shape]["time/step"] > 0
+        ratio = result["trl"][shape]["time/step"] / result["new"][shape]["time/step"]
+        assert result["trl_over_omgrpo"][shape] == pytest.approx(ratio)
