@@ -9,7 +9,7 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   overrides the baseline does not know, e.g. `model.tokenizer=char`). `--vs-trl` also runs TRL's
   `GRPOTrainer` (the `bench` extra) on the same base model, prompts, G, max new tokens,
   temperature, top-p, beta, clip and learning rate, each shape right after omgrpo's, and reports
-  `trl_over_omgrpo` = TRL's seconds per step / omgrpo's.
+  `trl_over_omgrpo` = TRL's wall seconds per step / omgrpo's (`perf/step_wall_s`).
 
 `car`: the cost of CAR against its alternatives, per training step:
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
@@ -190,8 +190,9 @@ with tempfile.TemporaryDirectory() as root:
 df = df[df["train/step"] >= (2 if steps > 1 else 1)]
 cols = [c for c in df.columns if c.startswith(("time/", "mem/", "perf/", "response/length"))]
 result = {c: float(df[c].mean()) for c in cols}
-import omgrpo
+import omgrpo, torch
 result["source"] = omgrpo.__file__
+result["threads"] = torch.get_num_threads()
 print("BENCH-RESULT " + json.dumps(result))
 """
 
@@ -273,8 +274,10 @@ def bench_step(
     else:
         del result["old"]
     if vs_trl:
+        # both wall clock from one step's end to the next (omgrpo's `time/step` sums its timed
+        # stages only)
         result["trl_over_omgrpo"] = {
-            shape: result["trl"][shape]["time/step"] / result["new"][shape]["time/step"]
+            shape: result["trl"][shape]["time/step"] / result["new"][shape]["perf/step_wall_s"]
             for shape in STEP_SHAPES
         }
         result["trl_target"] = 3.0  # issue 11: omgrpo >= 3x faster than TRL

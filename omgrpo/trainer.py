@@ -144,6 +144,7 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
             metrics0 = validate(run, 0, state.recovery)
             log_step(run, tracker, 0, metrics0)
             console.update(0, metrics0)
+        last_metrics_at = time.perf_counter()
         for step in range(state.step + 1, run.total_steps + 1):
             state.step = step
             problems = batch_for_step(
@@ -156,6 +157,10 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
             if collapsed_now:
                 metrics["collapse/detected_step"] = step
                 console.write(_collapse_message(step, metrics))
+            # wall clock from metrics to metrics: the step plus everything around it (the
+            # previous step's logging and checkpoint, validation), as a peer trainer is timed
+            now = time.perf_counter()
+            metrics["perf/step_wall_s"], last_metrics_at = now - last_metrics_at, now
             log_step(run, tracker, step, metrics, batch)
             if _due(step, cfg.trainer.save_every, run.total_steps):
                 save(run, state)

@@ -113,4 +113,9 @@ def trl_step_seconds(steps: int, overrides: list[str]) -> dict:
     if not seconds:
         raise RuntimeError(f"TRL's GRPOTrainer ran no step on {n_prompts} prompts")
     kept = seconds[1:] if len(seconds) > 1 else seconds
-    return {"time/step": sum(kept) / len(kept), "steps": len(seconds), "trl": version("trl")}
+    return {
+        "time/step": sum(kept) / len(kept),
+        "steps": len(seconds),
+        "threads": torch.get_num_threads(),
+        "trl": version("trl"),
+    }
