@@ -4,6 +4,7 @@ when damaged, and reproducible by the project's own command."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -107,8 +108,21 @@ def test_ensure_uses_the_shipped_base_unless_told_not_to(tiny_overrides, tmp_pat
     assert trained == [tmp_path / "cache2" / f"toy-base-{key}"]
 
 
+def _sft_steps(base: Path) -> int:
+    return json.loads((base / MANIFEST).read_text())["recipe"]["warm_start"]["steps"]
+
+
+# CI retrains the cheapest shipped base (minutes); OMGRPO_RETRAIN_ALL_BASES=1 retrains them all
+# (the 1200-step shortcut base takes 8-20 min on 2 cores).
+RETRAINED = (
+    SHIPPED
+    if os.environ.get("OMGRPO_RETRAIN_ALL_BASES")
+    else SHIPPED and [min(SHIPPED, key=_sft_steps)]
+)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("base", SHIPPED, ids=[p.name for p in SHIPPED])
+@pytest.mark.parametrize("base", RETRAINED, ids=[p.name for p in RETRAINED])
 def test_retraining_a_shipped_base_meets_its_acceptance_checks(base, tmp_path):
     """`omgrpo base <command> model.warm_start.shipped=false` trains the base again (one
     thread, minutes) and its own acceptance checks pass, as the shipped base's did. The bytes
