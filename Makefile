@@ -18,12 +18,12 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: setup test lint format demo study clean
 
-# setup: everything `make test` needs (dev tools, the verl and bench extras); the demo needs only the
+# setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: $(VENV)/.installed-base
-	$(PY) -m pip install -q -e ".[dev,verl,bench]"
+	$(PY) -m pip install -q -e ".[dev,verl]"
 	touch $@
 
 $(VENV)/.installed-base: pyproject.toml

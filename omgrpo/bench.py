@@ -306,7 +306,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--vs-trl",
         action="store_true",
-        help="step: also run TRL's GRPOTrainer on the same model and batch (pip install -e .[bench])",
+        help="step: also run TRL's GRPOTrainer on the same model and batch (the bench extra, without verl)",
     )
     parser.add_argument(
         "--variants",
