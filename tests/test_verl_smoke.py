@@ -54,7 +54,6 @@ def test_check_run_passes_a_good_run():
         ({"pg/answer_weight_share": 0.0}, 1.0, "w = 1.0 but answer PG weight share"),
         ({"pg/answer_weight_share": math.nan}, 1.0, "w = 1.0 but answer PG weight share"),
         ({"answer/frac": 0.0}, 0.0, "the loss saw no answer tokens"),
-        ({"critic/advantages/max": 0.0, "critic/advantages/min": 0.0}, 0.0, "advantages all"),
         ({"answers/extract_rate": 0.0}, 0.0, "no rollout reached a boxed answer"),
         ({"timing_s/car": 0.0}, 0.0, "timing_s/car"),
         ({"collapse/detected_step": math.nan}, 0.0, "collapse/detected_step nan"),
@@ -64,6 +63,16 @@ def test_check_run_names_what_is_wrong(change, w, message):
     steps = {1: good_step(1, w / 2), 2: {**good_step(2, w / 2), **change}}
     problems = check(steps, w=w)
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_check_run_needs_one_step_with_advantages_and_checks_only_those():
+    """A later step whose groups all drew equal rewards (all advantages 0, so the answer share
+    of the PG weight is 0/0) is not a failure; a run without any such signal is."""
+    flat = {"critic/advantages/max": 0.0, "critic/advantages/min": 0.0}
+    undefined = {**flat, "pg/answer_weight_share": math.nan}
+    assert check({1: good_step(1, 0.0), 2: {**good_step(2, 0.0), **undefined}}) == []
+    problems = check({1: {**good_step(1, 0.0), **flat}, 2: {**good_step(2, 0.0), **flat}})
+    assert problems == ["advantages all zero in every step (rewards equal in every group)"]
 
 
 def test_check_run_missing_metrics_and_steps():

@@ -65,12 +65,15 @@ def check_run(
     """What is wrong with a run's logged steps (empty: all checks passed).
 
     Every step must log omgrpo's metrics (`OMGRPO_METRICS`, `reward/<part>`, with CAR
-    `CAR_METRICS`), boxed answers (`answers/extract_rate` > 0), answer tokens seen by the loss
-    (`answer/frac` > 0), non-zero advantages of both signs, and the answer tokens' share of the
-    per-token PG weight |A|: exactly 0 at w = 0, > 0 otherwise. With `collapse_step`, the
-    collapse detector must have fired there (`collapse/detected_step`).
+    `CAR_METRICS`), boxed answers (`answers/extract_rate` > 0) and answer tokens seen by the loss
+    (`answer/frac` > 0). At least one step must have non-zero advantages of both signs, and in
+    every such step the answer tokens' share of the per-token PG weight |A| must be exactly 0 at
+    w = 0 and > 0 otherwise (a step whose groups all drew equal rewards, which sampling can give
+    a later step of a tiny batch, has no PG weight to share). With `collapse_step`, the collapse
+    detector must have fired there (`collapse/detected_step`).
     """
     problems = []
+    informative = 0
     if sorted(steps) != list(range(1, expect_steps + 1)):
         problems.append(f"logged steps {sorted(steps)}, expected 1..{expect_steps}")
     wanted = set(OMGRPO_METRICS) | {f"reward/{p}" for p in reward_parts}
@@ -84,18 +87,24 @@ def check_run(
             problems.append(f"step {step}: no rollout reached a boxed answer")
         if not m["answer/frac"] > 0:
             problems.append(f"step {step}: the loss saw no answer tokens (answer/frac 0 or nan)")
-        if not m.get("critic/advantages/max", 0) > 0 > m.get("critic/advantages/min", 0):
-            problems.append(f"step {step}: advantages all zero (rewards equal in every group)")
-        share = m["pg/answer_weight_share"]
-        if answer_weight == 0 and share != 0.0:
-            problems.append(f"step {step}: w = 0 but answer tokens hold {share} of the PG weight")
-        if answer_weight > 0 and not share > 0:
-            problems.append(f"step {step}: w = {answer_weight} but answer PG weight share {share}")
+        if m.get("critic/advantages/max", 0) > 0 > m.get("critic/advantages/min", 0):
+            informative += 1
+            share = m["pg/answer_weight_share"]
+            if answer_weight == 0 and share != 0.0:
+                problems.append(
+                    f"step {step}: w = 0 but answer tokens hold {share} of the PG weight"
+                )
+            if answer_weight > 0 and not share > 0:
+                problems.append(
+                    f"step {step}: w = {answer_weight} but answer PG weight share {share}"
+                )
         if car and not m["timing_s/car"] > 0:
             problems.append(f"step {step}: timing_s/car = {m['timing_s/car']}")
         detected = m["collapse/detected_step"]
         if collapse_step is not None and step >= collapse_step and detected != collapse_step:
             problems.append(f"step {step}: collapse/detected_step {detected}, not {collapse_step}")
+    if steps and not informative:
+        problems.append("advantages all zero in every step (rewards equal in every group)")
     return problems
 
 
