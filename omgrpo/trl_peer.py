@@ -18,6 +18,7 @@ from omgrpo.models.loading import base_model_dir, load_model, load_tokenizer, re
 from omgrpo.rewards import majority_vote_reward, make_group
 from omgrpo.step import extract_answer
 from omgrpo.tasks import load_task, render_prompt
+from omgrpo.trainer import batch_for_step
 
 
 class StepClock(TrainerCallback):
@@ -83,8 +84,8 @@ def trl_config(cfg: Any, steps: int, out_dir: str, device: torch.device) -> Any:
 
 def trl_step_seconds(steps: int, overrides: list[str]) -> dict:
     """Train TRL's GRPOTrainer for `steps` steps on what `compose(overrides)` would train (the
-    toy base's directory, chat-rendered train prompts, cycled as omgrpo's trainer does when a run
-    needs more) and return the mean wall seconds per step after the first."""
+    toy base's directory, the chat-rendered problems of omgrpo's first `steps` steps) and return
+    the mean wall seconds per step after the first."""
     from datasets import Dataset
     from trl import GRPOTrainer
 
@@ -95,8 +96,11 @@ def trl_step_seconds(steps: int, overrides: list[str]) -> dict:
     base = base_model_dir(cfg.model, cfg.task, splits)
     device = resolve_device(cfg.model.device)
     tokenizer = load_tokenizer(base)
-    n_prompts = cfg.trainer.prompts_per_step * steps
-    train = [splits.train[i % len(splits.train)] for i in range(n_prompts)]
+    P = cfg.trainer.prompts_per_step
+    # the problems omgrpo's trainer takes in these steps, in its order (TRL does not shuffle)
+    train = [
+        p for step in range(1, steps + 1) for p in batch_for_step(splits.train, step, P, cfg.seed)
+    ]
     prompts = [render_prompt(tokenizer, p.question) for p in train]
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
@@ -111,7 +115,7 @@ def trl_step_seconds(steps: int, overrides: list[str]) -> dict:
         trainer.train()
     seconds = clock.step_seconds()
     if not seconds:
-        raise RuntimeError(f"TRL's GRPOTrainer ran no step on {n_prompts} prompts")
+        raise RuntimeError(f"TRL's GRPOTrainer ran no step on {len(prompts)} prompts")
     kept = seconds[1:] if len(seconds) > 1 else seconds
     return {
         "time/step": sum(kept) / len(kept),

@@ -115,9 +115,7 @@ def _sft_steps(base: Path) -> int:
 # CI retrains the cheapest shipped base (minutes); OMGRPO_RETRAIN_ALL_BASES=1 retrains them all
 # (the 1200-step shortcut base takes 8-20 min on 2 cores).
 RETRAINED = (
-    SHIPPED
-    if os.environ.get("OMGRPO_RETRAIN_ALL_BASES")
-    else SHIPPED and [min(SHIPPED, key=_sft_steps)]
+    SHIPPED if os.environ.get("OMGRPO_RETRAIN_ALL_BASES") else sorted(SHIPPED, key=_sft_steps)[:1]
 )
 
 
