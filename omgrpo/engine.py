@@ -97,7 +97,24 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) ->
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1).squeeze(-1)
+    return sample_categorical(probs)
+
+
+def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of (B, V) non-negative weights -> (B,), by inverting each row's CDF
+    with one uniform per row. (`torch.multinomial` draws B x V exponentials, which on the CPU
+    cost ~4 ms per toy decode step at 512 x 390, a quarter of generation.) A token of weight 0
+    is never drawn."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("sampling weights must be finite, non-negative and not all zero")
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+    # the first position whose cumulative weight exceeds u (u < total, so one exists up to
+    # round-off; at u == total the last token of positive weight)
+    index = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
+    return torch.minimum(index, last_positive)
 
 
 # ----------------------------------------------------------------------------------------

@@ -54,14 +54,21 @@ def answer_token_mask(response_text: str, offset_mapping: Any) -> torch.Tensor:
     return span_token_mask(offset_mapping, None if boxed is None else boxed.span)
 
 
-def span_token_mask(offset_mapping: Any, span: tuple[int, int] | None) -> torch.Tensor:
+def span_token_mask(
+    offset_mapping: Any, span: tuple[int, int] | torch.Tensor | None
+) -> torch.Tensor:
     """(T,) bool: the non-empty tokens overlapping the character span `[start, end)` (all False
-    for None or an empty span)."""
-    offsets = _as_offset_tensor(offset_mapping)
+    for None or an empty span). Batched: offsets (B, T, 2) and spans (B, 2) -> (B, T)."""
+    if isinstance(offset_mapping, torch.Tensor) and offset_mapping.dim() == 3:
+        offsets = offset_mapping
+    else:
+        offsets = _as_offset_tensor(offset_mapping)
+    starts, ends = offsets[..., 0], offsets[..., 1]
     if span is None:
-        return torch.zeros(offsets.shape[0], dtype=torch.bool)
-    starts, ends = offsets[:, 0], offsets[:, 1]
-    return (starts < span[1]) & (ends > span[0]) & (ends > starts)
+        return torch.zeros(starts.shape, dtype=torch.bool)
+    span = torch.as_tensor(span, dtype=torch.long)
+    span_start, span_end = span[..., 0, None], span[..., 1, None]
+    return (starts < span_end) & (ends > span_start) & (ends > starts)
 
 
 def _ids_list(token_ids: Any) -> list[int]:

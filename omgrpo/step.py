@@ -137,35 +137,35 @@ def is_correct(answer: str | None, label: str | None) -> bool | None:
 
 def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> Responses:
     """Decode each response, extract its boxed answer and mark the tokens of each role."""
-    answer_mask = torch.zeros_like(mask, dtype=torch.bool)
-    result_mask, format_mask = torch.zeros_like(answer_mask), torch.zeros_like(answer_mask)
-    rows = [ids[i, : int(mask[i].sum())].tolist() for i in range(ids.shape[0])]
-    all_texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    rows = [ids[i, : int(n)].tolist() for i, n in enumerate(mask.sum(-1).tolist())]
+    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
-    encoded = tokenizer(all_texts, return_offsets_mapping=True, add_special_tokens=False)
-    texts, answers = [], []
-    for i, (row, text) in enumerate(zip(rows, all_texts)):
-        n = len(row)
+    encoded = tokenizer(texts, return_offsets_mapping=True, add_special_tokens=False)
+    offsets = torch.zeros((*ids.shape, 2), dtype=torch.long)  # (B, T, 2) char offsets
+    no_span = (0, 0)  # (start, end) of a missing span: overlaps no token
+    answer_span, result_span, closing = [], [], []  # (B, 2), (B, 2), (B,)
+    answers = []
+    for i, (row, text) in enumerate(zip(rows, texts)):
         row_encoding = {k: encoded[k][i] for k in ("input_ids", "offset_mapping")}
-        offsets = response_offsets(tokenizer, row, text, encoding=row_encoding)
-        boxed = extract_boxed(text)
-        answer_mask[i, :n] = span_token_mask(offsets, None if boxed is None else boxed.span)
-        result_mask[i, :n] = span_token_mask(offsets, last_result_span(text))
-        if boxed is not None:  # the closing line, to the end (eos has an empty offset there)
-            closing = text.rfind("\n", 0, boxed.span[0]) + 1
-            format_mask[i, :n] = torch.tensor(
-                [start >= closing for start, _ in offsets], dtype=bool
+        if row:
+            offsets[i, : len(row)] = torch.tensor(
+                response_offsets(tokenizer, row, text, encoding=row_encoding)
             )
-        texts.append(text)
+        boxed = extract_boxed(text)
+        answer_span.append(no_span if boxed is None else boxed.span)
+        result_span.append(last_result_span(text) or no_span)
+        # the closing line, to the end (eos has an empty offset there); none without a box
+        closing.append(len(text) + 1 if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1)
         answers.append(boxed.content if boxed is not None else None)
+    real = torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
     return Responses(
         ids=ids,
         mask=mask,
-        answer_mask=answer_mask,
+        answer_mask=span_token_mask(offsets, torch.tensor(answer_span)),
         texts=texts,
         answers=answers,
-        result_mask=result_mask,
-        format_mask=format_mask,
+        result_mask=span_token_mask(offsets, torch.tensor(result_span)),
+        format_mask=real & (offsets[..., 0] >= torch.tensor(closing)[:, None]),
     )
 
 

@@ -106,3 +106,31 @@ def test_prompt_shared_scoring_equals_the_plain_forward_with_gradients(scorer):
         alone.log_softmax(-1).gather(-1, torch.tensor(t)[:, None]).sum().backward()
     for a, p in zip(shared_grads, model.parameters()):
         torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_sample_categorical_draws_each_token_at_its_probability():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [2.0, 0.0, 0.0, 2.0]])
+    draws = torch.stack([engine.sample_categorical(probs) for _ in range(20_000)])
+    for row, weights in enumerate(probs):
+        freq = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
+        expected = (weights / weights.sum()).double()
+        # 20k draws: a frequency's standard error is <= 0.0036; 5 of them is far in the tail
+        assert torch.allclose(freq, expected, atol=0.018), (row, freq, expected)
+        assert (freq[expected == 0] == 0).all()  # zero weight: never drawn
+
+
+def test_sample_categorical_at_the_top_of_the_cdf_draws_the_last_possible_token(monkeypatch):
+    # u == total can happen by round-off: the token is then the last of positive weight,
+    # never a zero-weight one after it (e.g. one removed by top-p)
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, **kw))
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.0, 0.3, 0.5]])
+    assert engine.sample_categorical(probs).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
+    with pytest.raises(ValueError, match="finite"):
+        engine.sample_categorical(torch.tensor([[0.5, bad]]))
+    with pytest.raises(ValueError, match="not all zero"):
+        engine.sample_categorical(torch.zeros(1, 3))

@@ -7,6 +7,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -17,6 +19,7 @@ from omgrpo.spans import (
     answer_mask_for_ids,
     answer_token_mask,
     response_offsets,
+    span_token_mask,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -296,3 +299,21 @@ def test_fallback_splits_multibyte_char(bpe_tok):
     mask, _ = answer_mask_for_ids(bpe_tok, ids)
     _check_mask(text, offsets, mask)
     assert mask.tolist()[-3:] == [True, True, False] and mask.sum().item() == 3
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_batched_span_mask_equals_row_by_row(data):
+    """span_token_mask on (B, T, 2) offsets and (B, 2) spans equals it row by row."""
+    rows, width = data.draw(st.integers(1, 5)), data.draw(st.integers(0, 8))
+    pair = st.tuples(st.integers(0, 12), st.integers(0, 12)).map(sorted)
+    offsets = torch.tensor(
+        data.draw(
+            st.lists(st.lists(pair, min_size=width, max_size=width), min_size=rows, max_size=rows)
+        ),
+        dtype=torch.long,
+    ).reshape(rows, width, 2)
+    spans = torch.tensor(data.draw(st.lists(pair, min_size=rows, max_size=rows)))
+    batched = span_token_mask(offsets, spans)
+    for i in range(rows):
+        assert torch.equal(batched[i], span_token_mask(offsets[i], tuple(spans[i].tolist())))

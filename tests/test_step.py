@@ -8,11 +8,14 @@ import math
 import pytest
 import torch
 
+from omgrpo.answers import extract_boxed
 from omgrpo.car import CarResult
 from omgrpo.config import compose
 from omgrpo.models.tokenizer import build_char_tokenizer
+from omgrpo.spans import answer_mask_for_ids, response_offsets, span_token_mask
 from omgrpo.step import LoopState, decode_responses, is_correct, score_step, step_metrics
 from omgrpo.tasks import Problem
+from omgrpo.tasks.toy import last_result_span
 
 # Two prompts x G = 3; the char tokenizer gives one token per character.
 TEXTS = [
@@ -117,6 +120,34 @@ def test_token_roles_of_a_worked_response(tok):
     # the four roles partition the response tokens
     total = sum(m.long() for m in [r.answer_mask, *roles.values()])
     assert torch.equal(total.bool(), mask.bool()) and int(total.max()) == 1
+
+
+def test_batched_role_masks_equal_the_per_row_reference(tok):
+    """decode_responses builds all rows' masks at once; each row equals the one-row path
+    (`answer_mask_for_ids`, `span_token_mask`) whatever its length, box or lack of one."""
+    texts = [
+        "3+4=7\nSo the answer is \\boxed{7}.",
+        "",  # empty response
+        "no box here 1+1=2",
+        "\\boxed{1} then \\boxed{22}",  # the last box counts
+        "\\boxed{unclosed",
+        "12*3=36\n36-4=32\nSo the answer is \\boxed{32}.",
+    ]
+    ids, mask = batch_of(tok, texts)
+    r = decode_responses(tok, ids, mask)
+    for i, text in enumerate(texts):
+        n = len(text)
+        expected, decoded = answer_mask_for_ids(tok, ids[i, :n])
+        assert decoded == text and r.texts[i] == text
+        assert torch.equal(r.answer_mask[i, :n], expected)
+        result = span_token_mask(response_offsets(tok, ids[i, :n], text), last_result_span(text))
+        assert torch.equal(r.result_mask[i, :n], result)
+        boxed = extract_boxed(text)
+        closing = None if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1
+        fmt = [closing is not None and j >= closing for j in range(n)]
+        assert r.format_mask[i, :n].tolist() == fmt
+        for m in (r.answer_mask, r.result_mask, r.format_mask):  # padding is no role
+            assert not m[i, n:].any()
 
 
 def test_guess_and_majority_diagnostics_hand_computed(tok):
