@@ -3,6 +3,8 @@ the prefix tree's scoring layout against the plain forward."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_car import _toy  # a random toy Qwen3 with an untied random output layer
 
 from omgrpo import engine
@@ -134,3 +136,12 @@ def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
         engine.sample_categorical(torch.tensor([[0.5, bad]]))
     with pytest.raises(ValueError, match="not all zero"):
         engine.sample_categorical(torch.zeros(1, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5))
+def test_common_prefix_len_equals_a_plain_scan(rows):
+    n = 0
+    while all(len(r) > n for r in rows) and len({r[n] for r in rows}) == 1:
+        n += 1
+    assert engine.common_prefix_len(rows) == n
