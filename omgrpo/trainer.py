@@ -35,7 +35,6 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from omgrpo.allocator import keep_freed_memory
 from omgrpo.answers import GradingBudget, grading_scope, set_math_verify, use_grading_budget
 from omgrpo.car import CarResult, generate_pair_answers
 from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
@@ -315,7 +314,6 @@ def setup(cfg: DictConfig) -> Run:
         )
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    keep_freed_memory()
     set_math_verify(cfg.reward.math_verify)
     splits = load_task(cfg.task)
     base = base_model_dir(cfg.model, cfg.task, splits)
