@@ -268,10 +268,10 @@ def decode(
         alive[ended] = False
         if not bool(alive.any()) or step == max_new_tokens - 1:
             break
-        # Drop ended rows once an eighth of the batch has ended (rows that share one prefix
-        # copy are kept: their prefix is not worth copying per row).
-        if kv.can_drop_rows and len(open_pos) - len(ended) <= 0.875 * len(rows):
-            keep = alive.nonzero().squeeze(1)
+        # Drop ended rows once an eighth of the batch can go (rows that share one prefix copy
+        # go together, once all of them have ended: a prompt's rows end at similar lengths)
+        keep = kv.rows_to_keep(alive)
+        if len(keep) <= 0.875 * len(rows):
             kv.keep(keep)
             rows, tok, alive = rows[keep], tok[keep], alive[keep]
         logits = kv.step(tok)
@@ -294,8 +294,6 @@ def lean_decoding_supported(model: torch.nn.Module) -> bool:
 class _HFKV:
     """Any causal LM: the HF forward on a `DynamicCache` with one cache row per decoded row."""
 
-    can_drop_rows = True
-
     def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
         if group > 1:
             index = torch.arange(mask.shape[0], device=mask.device).repeat_interleave(group)
@@ -316,6 +314,9 @@ class _HFKV:
         ).logits[:, -1, :]
         self.pos = self.pos + 1
         return logits
+
+    def rows_to_keep(self, alive: torch.Tensor) -> torch.Tensor:
+        return alive.nonzero().squeeze(1)
 
     def keep(self, index: torch.Tensor) -> None:
         select_rows(self.cache, index, self.mask.shape[0])
@@ -339,7 +340,6 @@ class _LeanKV:
         n_layers = len(model.model.layers)
         self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.can_drop_rows = group == 1
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -357,12 +357,20 @@ class _LeanKV:
         prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
         return prefix_attention(q, prefix, own, self.group, scaling)
 
-    def keep(self, index: torch.Tensor) -> None:  # group == 1: rows are prefix nodes
-        self.prefix_k = [k.index_select(0, index) for k in self.prefix_k]
-        self.prefix_v = [v.index_select(0, index) for v in self.prefix_v]
+    def rows_to_keep(self, alive: torch.Tensor) -> torch.Tensor:
+        """Batch positions of the prefix nodes with a row still alive (all of their rows)."""
+        nodes_alive = alive.view(-1, self.group).any(1)
+        return nodes_alive.repeat_interleave(self.group).nonzero().squeeze(1)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep the rows at `index`: whole prefix nodes (`rows_to_keep`)."""
+        nodes = index[:: self.group] // self.group
+        self.prefix_k = [k.index_select(0, nodes) for k in self.prefix_k]
+        self.prefix_v = [v.index_select(0, nodes) for v in self.prefix_v]
+        self.bias = self.bias[nodes]
         self.new_k = [k.index_select(0, index) for k in self.new_k]
         self.new_v = [v.index_select(0, index) for v in self.new_v]
-        self.bias, self.pos = self.bias[index], self.pos[index]
+        self.pos = self.pos[index]
 
 
 # ----------------------------------------------------------------------------------------
@@ -424,7 +432,7 @@ def prefix_attention(q, prefix, own, group: int, scaling: float) -> torch.Tensor
     out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g * t, width), pv)
     out_p = out_p.view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
     out = out_p.reshape(batch, kv_heads, g * t, dim) + torch.matmul(probs_own, ov)
-    return out.view(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+    return out.reshape(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
 
 
 def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -448,6 +456,7 @@ def shared_prompt_logits(
     response_mask: torch.Tensor,
     pad_id: int,
     chunks: int = 4,
+    max_chunk_rows: int = 64,
 ) -> torch.Tensor:
     """Logits (R, T, V) predicting each response token of `response_ids` (R, T) (right-padded,
     `response_mask` 1 on real tokens) after its row's prompt, for a Llama-family model
@@ -456,9 +465,10 @@ def shared_prompt_logits(
     Each distinct prompt is run once (the prompts' common prefix, e.g. the system turn, once
     for all: `prefix_tree_forward`), then the responses run on the model's own modules, each
     row attending to its prompt's keys/values and its own tokens in one fused SDPA call.
-    Gradients of a prompt accumulate over its rows. Responses run in `chunks` batches of
-    similar length, each cut to its longest response, so short responses do not pay for the
-    longest one's padding. (On the CPU, reading the prompt's keys/values in place as
+    Gradients of a prompt accumulate over its rows. Responses run in batches of similar length
+    (`chunks`, more where a batch would exceed `max_chunk_rows`), each cut to its longest
+    response, so short responses do not pay for the longest one's padding (4 chunks of a 64 x 8
+    toy batch padded it by 15 %, 8 by 8 %). (On the CPU, reading the prompt's keys/values in place as
     `prefix_attention` does for decoding measured slower here than a per-row copy and the fused
     kernel: with whole responses the attention, not the copy, is the cost.)
     """
@@ -475,7 +485,8 @@ def shared_prompt_logits(
     inputs = response_mask.sum(-1).to(device) - 1
     order = torch.argsort(inputs, descending=True, stable=True)
     parts = []
-    for index in order.tensor_split(min(chunks, len(order))):
+    n_chunks = max(chunks, -(-len(order) // max_chunk_rows))
+    for index in order.tensor_split(min(n_chunks, len(order))):
         width = int(inputs[index].max().clamp(min=0))
         part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
         parts.append(F.pad(part, (0, 0, 0, response_ids.shape[1] - 1 - width)))

@@ -145,3 +145,42 @@ def test_common_prefix_len_equals_a_plain_scan(rows):
     while all(len(r) > n for r in rows) and len({r[n] for r in rows}) == 1:
         n += 1
     assert engine.common_prefix_len(rows) == n
+
+
+def test_decoding_drops_ended_prompts_and_keeps_the_rest_exact(monkeypatch):
+    """Prompts end one after another (down to a single prefix node): the lean decoder drops
+    ended prompts' rows and gives the HF path's greedy tokens for the rest."""
+    model, tok = _model()
+    prompts = _prompts(tok) * 2  # 6 prefix nodes
+    group = 3
+    outputs = []
+    for lean in (True, False):
+        monkeypatch.setattr(engine, "lean_decoding_supported", lambda m, lean=lean: lean)
+        calls = {"n": 0}
+
+        def stop(rows, toks, calls=calls):  # prompt k's rows end at decode step k + 1
+            calls["n"] += 1
+            return rows // group < calls["n"]
+
+        with torch.no_grad():
+            logits, cache, mask, pos = prefix_tree_forward(
+                model, prompts, [[0] * len(prompts)], tok.pad_token_id
+            )
+            outputs.append(
+                decode(
+                    model,
+                    logits[:, -1],
+                    cache,
+                    mask,
+                    pos,
+                    group=group,
+                    max_new_tokens=8,
+                    temperature=0.0,
+                    top_p=1.0,
+                    stop=stop,
+                    pad_id=tok.pad_token_id,
+                )
+            )
+    (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
+    assert lean_len.tolist() == [k // group + 1 for k in range(len(prompts) * group)]
+    assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
