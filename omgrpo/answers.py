@@ -636,6 +636,22 @@ def _warm_up() -> None:
         _WARM[os.getpid()].set()
 
 
+def start_grader_warm_up() -> threading.Event | None:
+    """Start this process's math-verify warm-up (`_warm_up`) in a background thread, once;
+    returns the event set when it is done (None where workers are spawned, not forked). The
+    trainer starts it at setup so that no training step pays for it."""
+    if not _FORK:
+        return None
+    pid = os.getpid()
+    with _POOL_LOCK:
+        if pid not in _WARM:
+            _WARM[pid] = threading.Event()
+            threading.Thread(
+                target=_warm_up, name="omgrpo-math-verify-warm-up", daemon=True
+            ).start()
+        return _WARM[pid]
+
+
 def _get_pool(wait: float) -> Any:
     """The worker pool, or None if it is not ready within `wait` seconds.
 
@@ -645,15 +661,9 @@ def _get_pool(wait: float) -> Any:
     """
     global _POOL, _POOL_PID
     pid = os.getpid()
-    if _FORK:
-        with _POOL_LOCK:
-            if pid not in _WARM:
-                _WARM[pid] = threading.Event()
-                threading.Thread(
-                    target=_warm_up, name="omgrpo-math-verify-warm-up", daemon=True
-                ).start()
-        if not _WARM[pid].wait(timeout=max(wait, 0.0)):
-            return None
+    warm = start_grader_warm_up()
+    if warm is not None and not warm.wait(timeout=max(wait, 0.0)):
+        return None
     with _POOL_LOCK:
         if _POOL is not None and pid == _POOL_PID and _POOL.active:
             return _POOL

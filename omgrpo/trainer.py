@@ -35,7 +35,13 @@ import pandas as pd
 import torch
 from omegaconf import DictConfig
 
-from omgrpo.answers import GradingBudget, grading_scope, set_math_verify, use_grading_budget
+from omgrpo.answers import (
+    GradingBudget,
+    grading_scope,
+    set_math_verify,
+    start_grader_warm_up,
+    use_grading_budget,
+)
 from omgrpo.car import CarResult, generate_pair_answers
 from omgrpo.checkpoint import load_latest_intact_checkpoint, save_checkpoint, set_rng_state
 from omgrpo.config import to_container, validate_algorithm
@@ -315,6 +321,8 @@ def setup(cfg: DictConfig) -> Run:
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     set_math_verify(cfg.reward.math_verify)
+    if cfg.reward.math_verify:
+        start_grader_warm_up()  # imports sympy / math-verify while the models load
     splits = load_task(cfg.task)
     base = base_model_dir(cfg.model, cfg.task, splits)
     device = resolve_device(cfg.model.device)

@@ -368,3 +368,11 @@ def test_a_step_of_pathological_answers_stays_within_the_budget() -> None:
     assert correct[-2:] == [True, True] and not any(correct[:-2])
     assert group.classes[-1] == group.classes[-2]  # the two 7s still vote together
     assert len(total) == len(PATHOLOGICAL) and parts["format"].tolist() == [1.0] * len(total)
+
+
+@pytest.mark.skipif(not answers._FORK, reason="workers are spawned here: nothing to warm")
+def test_grader_warm_up_starts_once_per_process_and_finishes():
+    event = answers.start_grader_warm_up()
+    assert answers.start_grader_warm_up() is event  # one warm-up per process
+    assert event.wait(timeout=120)
+    assert answers.equivalent("x+1", "1+x")  # the pool then answers within the default budget
