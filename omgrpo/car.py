@@ -373,7 +373,11 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
     # Rows in (group, anchor, partner) order; anchors are never split across chunks.
     flat = [(g, i, j) for g, ps in enumerate(pairs) for i, j in ps]
     texts = [car_text(heads[g], solutions[g][i], solutions[g][j]) for g, i, j in flat]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    # Each distinct prompt is tokenized once: pairs repeat whenever a group's solutions agree.
+    distinct = list(dict.fromkeys(texts))
+    encoded = tokenizer(distinct, add_special_tokens=False)["input_ids"] if distinct else []
+    ids_of = dict(zip(distinct, encoded))
+    ids = [ids_of[text] for text in texts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     generated: list[list[int]] = []
     for lo, hi in _anchor_chunks(flat, max(1, int(cfg.chunk_pairs))):
