@@ -44,31 +44,37 @@ def test_lean_decoder_gives_the_hf_forwards_logits_at_every_step(heads, kv_heads
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
+def _greedy(model, tok, prompts, group, max_new_tokens, stop):
+    """Greedy decoding of `group` rows per prompt on top of a one-level prefill."""
+    with torch.no_grad():
+        logits, cache, mask, pos = prefix_tree_forward(
+            model, prompts, [[0] * len(prompts)], tok.pad_token_id
+        )
+        return decode(
+            model,
+            logits[:, -1],
+            cache,
+            mask,
+            pos,
+            group=group,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            top_p=1.0,
+            stop=stop,
+            pad_id=tok.pad_token_id,
+        )
+
+
 def test_lean_and_hf_decoding_give_the_same_greedy_tokens(monkeypatch):
     model, tok = _model()
     prompts = _prompts(tok)
     outputs = []
     for lean in (True, False):
         monkeypatch.setattr(engine, "lean_decoding_supported", lambda m, lean=lean: lean)
-        with torch.no_grad():
-            prefill = prefix_tree_forward(model, prompts, [[0] * 3], tok.pad_token_id)
-            logits, cache, mask, pos = prefill
-            stop_id = tok.convert_tokens_to_ids("7")
-            outputs.append(
-                decode(
-                    model,
-                    logits[:, -1],
-                    cache,
-                    mask,
-                    pos,
-                    group=2,
-                    max_new_tokens=12,
-                    temperature=0.0,
-                    top_p=1.0,
-                    stop=lambda rows, toks, s=stop_id: toks == s,
-                    pad_id=tok.pad_token_id,
-                )
-            )
+        seven = tok.convert_tokens_to_ids("7")
+        outputs.append(
+            _greedy(model, tok, prompts, 2, 12, stop=lambda rows, toks, s=seven: toks == s)
+        )
     (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
     assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
     assert len(set(lean_len.tolist())) > 1  # some rows stopped early, others ran on
@@ -162,25 +168,7 @@ def test_decoding_drops_ended_prompts_and_keeps_the_rest_exact(monkeypatch):
             calls["n"] += 1
             return rows // group < calls["n"]
 
-        with torch.no_grad():
-            logits, cache, mask, pos = prefix_tree_forward(
-                model, prompts, [[0] * len(prompts)], tok.pad_token_id
-            )
-            outputs.append(
-                decode(
-                    model,
-                    logits[:, -1],
-                    cache,
-                    mask,
-                    pos,
-                    group=group,
-                    max_new_tokens=8,
-                    temperature=0.0,
-                    top_p=1.0,
-                    stop=stop,
-                    pad_id=tok.pad_token_id,
-                )
-            )
+        outputs.append(_greedy(model, tok, prompts, group=group, max_new_tokens=8, stop=stop))
     (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
     assert lean_len.tolist() == [k // group + 1 for k in range(len(prompts) * group)]
     assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
