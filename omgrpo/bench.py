@@ -10,6 +10,10 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   `GRPOTrainer` (the `bench` extra) on the same base model, prompts, G, max new tokens,
   temperature, top-p, beta, clip and learning rate, each shape right after omgrpo's, and reports
   `trl_over_omgrpo` = TRL's wall seconds per step / omgrpo's (`perf/step_wall_s`).
+  `--repeats N` measures each shape in N interleaved rounds (new, baseline, TRL, new, ...):
+  figures are per-key medians over the rounds and each ratio the median of the rounds' ratios
+  (listed under `ratio_rounds`), so a slow patch of a shared machine that hits one side of one
+  round does not decide a ratio.
 
 `car`: the cost of CAR against its alternatives, per training step:
   (a) majority voting, (b) OM-GRPO without CAR, (c) OM-GRPO with CAR, (d) OM-GRPO without CAR
@@ -25,6 +29,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -248,47 +253,73 @@ def bench_step(
     baseline: Path | None = None,
     new_only: list[str] | None = None,
     vs_trl: bool = False,
+    repeats: int = 1,
 ) -> dict:
+    if repeats < 1:
+        raise ValueError(f"bench step: --repeats must be >= 1, got {repeats}")
     fixed = _fixed(steps, ["method=mv", *(overrides or [])])
     # A relative cache dir would differ between this tree and the baseline's working dir.
     cache = Path(compose(fixed).model.cache_dir).resolve()
     fixed.append(f"model.cache_dir={cache}")
     result: dict = {"benchmark": "step", "steps_averaged": max(1, steps - 1), "overrides": fixed}
     result["new_only"] = new_only or []
+    result["repeats"] = repeats
     result["new"], result["old"] = {}, {}
+    rounds: dict[str, list[dict]] = {}
     for shape, extra in STEP_SHAPES.items():
-        print(f"bench step: {shape} ({steps} steps)", file=sys.stderr, flush=True)
-        result["new"][shape] = _measure([*fixed, *extra, *(new_only or [])], steps)
-        if baseline is not None:  # back to back with the new tree, same shape, same base
-            print(f"bench step: {shape} baseline {baseline}", file=sys.stderr, flush=True)
-            result["old"][shape] = _measure([*fixed, *extra], steps, source=baseline)
-        if vs_trl:
-            print(f"bench step: {shape} TRL GRPOTrainer", file=sys.stderr, flush=True)
-            result.setdefault("trl", {})[shape] = _measure_trl(
-                [*fixed, *extra, *(new_only or [])], steps
-            )
-        if partial is not None:
-            partial.write_text(json.dumps({"partial": True, **result}, indent=2))
+        rounds[shape] = []
+        for k in range(repeats):
+            tag = f" (round {k + 1}/{repeats})" if repeats > 1 else ""
+            print(f"bench step: {shape} ({steps} steps){tag}", file=sys.stderr, flush=True)
+            one = {"new": _measure([*fixed, *extra, *(new_only or [])], steps)}
+            if baseline is not None:  # back to back with the new tree, same shape, same base
+                print(f"bench step: {shape} baseline {baseline}{tag}", file=sys.stderr, flush=True)
+                one["old"] = _measure([*fixed, *extra], steps, source=baseline)
+            if vs_trl:
+                print(f"bench step: {shape} TRL GRPOTrainer{tag}", file=sys.stderr, flush=True)
+                one["trl"] = _measure_trl([*fixed, *extra, *(new_only or [])], steps)
+            rounds[shape].append(one)
+            for side in one:
+                result.setdefault(side, {})[shape] = _median_figures(
+                    [r[side] for r in rounds[shape]]
+                )
+            if partial is not None:
+                partial.write_text(json.dumps({"partial": True, **result}, indent=2))
+    per_round: dict[str, dict] = {shape: {} for shape in STEP_SHAPES}
     if baseline is not None:
         result["baseline"] = str(baseline)
-        result["speedup"] = {
-            shape: {
-                key: result["old"][shape][key] / result["new"][shape][key]
+        result["speedup"] = {}
+        for shape, rs in rounds.items():
+            ratios = {
+                key: [r["old"][key] / r["new"][key] for r in rs]
                 for key in ("time/step", "time/gen")
             }
-            for shape in STEP_SHAPES
-        }
+            per_round[shape]["speedup"] = ratios
+            result["speedup"][shape] = {k: statistics.median(v) for k, v in ratios.items()}
     else:
         del result["old"]
     if vs_trl:
         # both wall clock from one step's end to the next (omgrpo's `time/step` sums its timed
         # stages only)
-        result["trl_over_omgrpo"] = {
-            shape: result["trl"][shape]["time/step"] / result["new"][shape]["perf/step_wall_s"]
-            for shape in STEP_SHAPES
-        }
+        result["trl_over_omgrpo"] = {}
+        for shape, rs in rounds.items():
+            ratios = [r["trl"]["time/step"] / r["new"]["perf/step_wall_s"] for r in rs]
+            per_round[shape]["trl_over_omgrpo"] = ratios
+            result["trl_over_omgrpo"][shape] = statistics.median(ratios)
         result["trl_target"] = 3.0  # issue 11: omgrpo >= 3x faster than TRL
+    if repeats > 1:
+        result["ratio_rounds"] = per_round
     return result
+
+
+def _median_figures(runs: list[dict]) -> dict:
+    """Per numeric key, the median over repeated measurements of one side and shape (other
+    values as in the first)."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
 
 
 BENCHMARKS = {"car": bench_car, "step": bench_step}
@@ -316,6 +347,12 @@ def main(argv: list[str]) -> int:
         help="step: also run TRL's GRPOTrainer on the same model and batch (the bench extra, without verl)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="step: interleaved rounds per shape; figures and ratios are medians over them",
+    )
+    parser.add_argument(
         "--variants",
         type=lambda text: text.split(","),
         help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
@@ -323,7 +360,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
     kwargs = (
-        {"baseline": ns.baseline, "new_only": ns.new_only, "vs_trl": ns.vs_trl}
+        {
+            "baseline": ns.baseline,
+            "new_only": ns.new_only,
+            "vs_trl": ns.vs_trl,
+            "repeats": ns.repeats,
+        }
         if ns.name == "step"
         else {"variants": ns.variants}
     )

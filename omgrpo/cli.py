@@ -33,9 +33,10 @@ commands:
   bench car [--steps N] [--json] [--variants a_mv,c_om_grpo_car,...] [overrides...]
                          per-stage seconds of MV, OM-GRPO, OM-GRPO + CAR, and n = 16 / 64;
                          CAR's matmul FLOP/s against a dense matmul
-  bench step [--steps N] [--json] [--baseline DIR] [overrides...]
+  bench step [--steps N] [--json] [--baseline DIR] [--vs-trl] [--repeats N] [overrides...]
                          seconds per step by stage, rollout tokens/s and peak memory (MV, toy,
-                         16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR
+                         16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR;
+                         --vs-trl: TRL's GRPOTrainer; --repeats: interleaved rounds, medians
   eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
                          [--backend native|vllm]
                          sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from omgrpo import bench
 from omgrpo.bench import main
 
-pytestmark = pytest.mark.slow
 
-
+@pytest.mark.slow
 def test_bench_step_reports_stages_per_shape_and_speedups_over_a_baseline_tree(
     tiny_overrides, tmp_path, capsys
 ):
@@ -28,6 +28,7 @@ def test_bench_step_reports_stages_per_shape_and_speedups_over_a_baseline_tree(
     assert set(result["speedup"]["64x8"]) == {"time/step", "time/gen"}
 
 
+@pytest.mark.slow
 def test_bench_step_vs_trl_runs_trls_trainer_on_the_same_model_and_batch(
     tiny_overrides, tmp_path, capsys
 ):
@@ -39,3 +40,40 @@ def test_bench_step_vs_trl_runs_trls_trainer_on_the_same_model_and_batch(
         assert result["trl"][shape]["steps"] == 2 and result["trl"][shape]["time/step"] > 0
         ratio = result["trl"][shape]["time/step"] / result["new"][shape]["perf/step_wall_s"]
         assert result["trl_over_omgrpo"][shape] == pytest.approx(ratio)
+
+
+def test_bench_step_repeats_interleave_the_sides_and_report_median_ratios(monkeypatch, tmp_path):
+    """Three rounds per shape, scripted seconds: round 2 of the new tree hit a slow patch. The
+    ratios are the medians of the rounds' ratios, the figures per-key medians."""
+    calls = []
+    new_wall = iter([1.0, 3.0, 1.2] * 2)  # per shape: rounds 1, 2, 3
+    trl_step = iter([3.3, 3.3, 3.0] * 2)
+    old_step = iter([5.0, 4.8, 6.0] * 2)
+
+    def measure(overrides, steps, source=None):
+        calls.append("old" if source else "new")
+        if source:
+            return {"time/step": next(old_step), "time/gen": 2.0}
+        wall = next(new_wall)
+        return {"time/step": wall, "time/gen": 0.5, "perf/step_wall_s": wall, "threads": 2}
+
+    def measure_trl(overrides, steps):
+        calls.append("trl")
+        return {"time/step": next(trl_step), "trl": "x"}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    monkeypatch.setattr(bench, "_measure_trl", measure_trl)
+    partial = tmp_path / "partial.json"
+    result = bench.bench_step(steps=2, partial=partial, baseline=tmp_path, vs_trl=True, repeats=3)
+    assert calls == ["new", "old", "trl"] * 6  # interleaved, round by round
+    # rounds' TRL ratios 3.3, 1.1, 2.5 -> 2.5; speed-ups 5.0, 1.6, 5.0 -> 5.0
+    assert result["ratio_rounds"]["16x8"]["trl_over_omgrpo"] == pytest.approx([3.3, 1.1, 2.5])
+    assert result["trl_over_omgrpo"]["16x8"] == pytest.approx(2.5)
+    assert result["speedup"]["64x8"]["time/step"] == pytest.approx(5.0)
+    assert result["speedup"]["64x8"]["time/gen"] == pytest.approx(4.0)
+    assert result["new"]["16x8"]["perf/step_wall_s"] == pytest.approx(1.2)  # median of 1, 3, 1.2
+    assert result["new"]["16x8"]["threads"] == 2
+    assert result["trl"]["64x8"] == {"time/step": 3.3, "trl": "x"}
+    assert json.loads(partial.read_text())["partial"] is True
+    with pytest.raises(ValueError, match="--repeats"):
+        bench.bench_step(repeats=0)
