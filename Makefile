@@ -49,8 +49,13 @@ format: setup
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# The suite on TEST_WORKERS processes (pytest-xdist): on 2 cores 2 workers took 8 min where one
+# took 16-17 (the longest tests retrain a base and run verl end to end, a minute or two each).
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: setup lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
 # The collapse study's central comparison in the shortcut world (sweeps/collapse_demo.yaml): GT
 # reward, majority voting, soft vote + format with w = 1, and OM-GRPO (w = 0), 90 steps each from
