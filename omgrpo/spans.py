@@ -117,6 +117,7 @@ def response_offsets(
     token_ids: Sequence[int] | torch.Tensor,
     text: str | None = None,
     encoding: Any = None,
+    special: frozenset[int] | None = None,
 ) -> list[tuple[int, int]]:
     """Character offsets of generated token ids in the decoded response text.
 
@@ -135,9 +136,12 @@ def response_offsets(
         whitespace, so a whitespace-only token has an empty offset.
         encoding: ``text`` already encoded with offsets (``input_ids``, ``offset_mapping``;
         e.g. one row of a batch call), so a batch of responses is re-tokenized in one call.
+        special: ``tokenizer.all_special_ids`` as a set, when the caller already has it (the
+            property rebuilds the list on every access).
     """
     ids = _ids_list(token_ids)
-    special = set(tokenizer.all_special_ids)
+    if special is None:
+        special = frozenset(tokenizer.all_special_ids)
     if text is None:
         text = tokenizer.decode(ids, skip_special_tokens=True)
     kept = [i for i in ids if i not in special]

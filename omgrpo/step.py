@@ -141,15 +141,16 @@ def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> R
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
     encoded = tokenizer(texts, return_offsets_mapping=True, add_special_tokens=False)
-    offsets = torch.zeros((*ids.shape, 2), dtype=torch.long)  # (B, T, 2) char offsets
+    char_offsets = np.zeros((*ids.shape, 2), dtype=np.int64)  # (B, T, 2), filled row by row
+    special = frozenset(tokenizer.all_special_ids)
     no_span = (0, 0)  # (start, end) of a missing span: overlaps no token
     answer_span, result_span, closing = [], [], []  # (B, 2), (B, 2), (B,)
     answers = []
     for i, (row, text) in enumerate(zip(rows, texts)):
         row_encoding = {k: encoded[k][i] for k in ("input_ids", "offset_mapping")}
         if row:
-            offsets[i, : len(row)] = torch.tensor(
-                response_offsets(tokenizer, row, text, encoding=row_encoding)
+            char_offsets[i, : len(row)] = response_offsets(
+                tokenizer, row, text, encoding=row_encoding, special=special
             )
         boxed = extract_boxed(text)
         answer_span.append(no_span if boxed is None else boxed.span)
@@ -157,6 +158,7 @@ def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> R
         # the closing line, to the end (eos has an empty offset there); none without a box
         closing.append(len(text) + 1 if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1)
         answers.append(boxed.content if boxed is not None else None)
+    offsets = torch.from_numpy(char_offsets)
     real = torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
     return Responses(
         ids=ids,
