@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup test lint format demo study clean
+.PHONY: setup test lint format demo study clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -40,6 +40,16 @@ $(VENV)/.installed-base: pyproject.toml
 	fi
 	$(PY) -m pip install -q -e .
 	touch $@
+
+# `omgrpo bench step --vs-trl` needs TRL (the `bench` extra), which cannot share .venv with verl
+# 0.9.1: its own environment, with the same torch build as .venv so both sides of the ratio run
+# on the torch `make test` installs (PyPI's default CUDA build ran omgrpo's toy step 10-13 %
+# slower on the CPU and TRL's the same).
+TRL_VENV ?= .venv-trl
+
+bench-env:
+	$(MAKE) VENV=$(TRL_VENV) $(TRL_VENV)/.installed-base
+	$(TRL_VENV)/bin/python -m pip install -q -e ".[bench]"
 
 lint: setup
 	$(VENV)/bin/ruff check .
