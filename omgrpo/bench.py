@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -325,6 +326,10 @@ def _median_figures(runs: list[dict]) -> dict:
 BENCHMARKS = {"car": bench_car, "step": bench_step}
 
 
+def _trl_installed() -> bool:
+    return importlib.util.find_spec("trl") is not None
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="omgrpo bench", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(BENCHMARKS))
@@ -359,6 +364,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     ns = parser.parse_intermixed_args(argv)
+    if ns.vs_trl and not _trl_installed():  # before any run: the peer would fail last
+        parser.error(
+            "--vs-trl needs TRL (the `bench` extra), which cannot share an environment with "
+            "verl 0.9.1: run `make bench-env`, then `.venv-trl/bin/omgrpo bench step --vs-trl ...`"
+        )
     kwargs = (
         {
             "baseline": ns.baseline,

@@ -42,6 +42,15 @@ def test_bench_step_vs_trl_runs_trls_trainer_on_the_same_model_and_batch(
         assert result["trl_over_omgrpo"][shape] == pytest.approx(ratio)
 
 
+def test_vs_trl_without_trl_fails_before_any_run_and_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "_trl_installed", lambda: False)
+    monkeypatch.setattr(bench, "_measure", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["step", "--vs-trl"])
+    assert exit_info.value.code == 2
+    assert "make bench-env" in capsys.readouterr().err
+
+
 def test_bench_step_repeats_interleave_the_sides_and_report_median_ratios(monkeypatch, tmp_path):
     """Three rounds per shape, scripted seconds: round 2 of the new tree hit a slow patch. The
     ratios are the medians of the rounds' ratios, the figures per-key medians."""
