@@ -44,7 +44,7 @@ $(VENV)/.installed-base: pyproject.toml
 # `omgrpo bench step --vs-trl` needs TRL (the `bench` extra), which cannot share .venv with verl
 # 0.9.1: its own environment, with the same torch build as .venv so both sides of the ratio run
 # on the torch `make test` installs (PyPI's default CUDA build ran omgrpo's toy step 10-13 %
-# slower on the CPU and TRL's the same).
+# slower on the CPU, TRL's within 8 %).
 TRL_VENV ?= .venv-trl
 
 bench-env:
