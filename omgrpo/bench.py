@@ -269,16 +269,17 @@ def bench_step(
     rounds: dict[str, list[dict]] = {}
     for shape, extra in STEP_SHAPES.items():
         rounds[shape] = []
+        new_args = [*fixed, *extra, *(new_only or [])]
         for k in range(repeats):
             tag = f" (round {k + 1}/{repeats})" if repeats > 1 else ""
             print(f"bench step: {shape} ({steps} steps){tag}", file=sys.stderr, flush=True)
-            one = {"new": _measure([*fixed, *extra, *(new_only or [])], steps)}
+            one = {"new": _measure(new_args, steps)}
             if baseline is not None:  # back to back with the new tree, same shape, same base
                 print(f"bench step: {shape} baseline {baseline}{tag}", file=sys.stderr, flush=True)
                 one["old"] = _measure([*fixed, *extra], steps, source=baseline)
             if vs_trl:
                 print(f"bench step: {shape} TRL GRPOTrainer{tag}", file=sys.stderr, flush=True)
-                one["trl"] = _measure_trl([*fixed, *extra, *(new_only or [])], steps)
+                one["trl"] = _measure_trl(new_args, steps)
             rounds[shape].append(one)
             for side in one:
                 result.setdefault(side, {})[shape] = _median_figures(
