@@ -348,22 +348,16 @@ def grpo_loss(
         ``entropy/answer`` and ``entropy/reasoning`` when ``entropy`` is given. Means over an
         empty set are reported as 0.0.
     """
-    shape = logprobs.shape
-    if logprobs.ndim != 2:
-        raise ValueError(f"logprobs must be (B, T), got {tuple(shape)}")
-    named = {
-        "old_logprobs": old_logprobs,
-        "ref_logprobs": ref_logprobs,
-        "response_mask": response_mask,
-        "answer_mask": answer_mask,
-        "entropy": entropy,
-    }
-    for name, tensor in named.items():
-        if tensor is not None and tensor.shape != shape:
-            raise ValueError(f"{name} {tuple(tensor.shape)} != logprobs {tuple(shape)}")
-    for name, tensor in (("advantages", advantages), ("format_advantages", format_advantages)):
-        if tensor is not None and tensor.shape != shape[:1]:
-            raise ValueError(f"{name} must be (B,)={tuple(shape[:1])}, got {tuple(tensor.shape)}")
+    _check_shapes(
+        logprobs,
+        advantages,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+        response_mask=response_mask,
+        answer_mask=answer_mask,
+        entropy=entropy,
+        format_advantages=format_advantages,
+    )
 
     dtype = logprobs.dtype
     resp = response_mask.bool()
@@ -399,26 +393,54 @@ def grpo_loss(
         kl = torch.zeros((), dtype=dtype, device=logprobs.device)
         loss = pg
 
-    with torch.no_grad():
-        reasoning = resp & ~answer
-        metrics: dict[str, float] = {
-            "loss/pg": pg.item(),
-            "loss/kl": kl.item(),
-            "loss/total": loss.item(),
-            "clip/frac": masked_mean((pg_clipped > pg_unclipped).to(dtype), resp).item(),
-            "ratio/mean": masked_mean(ratio, resp).item(),
-            "answer/frac": (answer.sum() / resp.sum().clamp(min=1)).item(),
-        }
-        if k3 is not None:
-            metrics["kl/answer"] = masked_mean(k3, answer).item()
-            metrics["kl/reasoning"] = masked_mean(k3, reasoning).item()
-        if entropy is not None:
-            ent = entropy.detach().to(dtype)
-            metrics["entropy/answer"] = masked_mean(ent, answer).item()
-            metrics["entropy/reasoning"] = masked_mean(ent, reasoning).item()
-        for role, role_mask in (roles or {}).items():  # diagnostics only
-            if k3 is not None:
-                metrics[f"kl/{role}"] = masked_mean(k3, role_mask).item()
-            if entropy is not None:
-                metrics[f"entropy/{role}"] = masked_mean(ent, role_mask).item()
+    metrics = {
+        "loss/pg": pg.item(),
+        "loss/kl": kl.item(),
+        "loss/total": loss.item(),
+        **_token_metrics(ratio, pg_clipped > pg_unclipped, k3, entropy, resp, answer, roles),
+    }
     return loss, metrics
+
+
+def _check_shapes(logprobs: Tensor, advantages: Tensor, **optional: Tensor | None) -> None:
+    """Raise ValueError unless logprobs is (B, T), the token tensors in `optional` are (B, T)
+    and the advantages (those named `*advantages` too) are (B,)."""
+    shape = logprobs.shape
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be (B, T), got {tuple(shape)}")
+    for name, tensor in {"advantages": advantages, **optional}.items():
+        want = shape[:1] if name.endswith("advantages") else shape
+        if tensor is None or tensor.shape == want:
+            continue
+        if name.endswith("advantages"):
+            raise ValueError(f"{name} must be (B,)={tuple(want)}, got {tuple(tensor.shape)}")
+        raise ValueError(f"{name} {tuple(tensor.shape)} != logprobs {tuple(shape)}")
+
+
+@torch.no_grad()
+def _token_metrics(
+    ratio: Tensor,
+    clipped: Tensor,
+    k3: Tensor | None,
+    entropy: Tensor | None,
+    resp: Tensor,
+    answer: Tensor,
+    roles: dict[str, Tensor] | None,
+) -> dict[str, float]:
+    """`grpo_loss`'s per-token diagnostics (its docstring lists them); means over an empty set
+    are 0.0."""
+    dtype = ratio.dtype
+    reasoning = resp & ~answer
+    metrics = {
+        "clip/frac": masked_mean(clipped.to(dtype), resp).item(),
+        "ratio/mean": masked_mean(ratio, resp).item(),
+        "answer/frac": (answer.sum() / resp.sum().clamp(min=1)).item(),
+    }
+    ent = None if entropy is None else entropy.detach().to(dtype)
+    parts = {"answer": answer, "reasoning": reasoning, **(roles or {})}
+    for name, mask in parts.items():
+        if k3 is not None:
+            metrics[f"kl/{name}"] = masked_mean(k3, mask).item()
+        if ent is not None:
+            metrics[f"entropy/{name}"] = masked_mean(ent, mask).item()
+    return metrics
