@@ -348,15 +348,15 @@ def grpo_loss(
         ``entropy/answer`` and ``entropy/reasoning`` when ``entropy`` is given. Means over an
         empty set are reported as 0.0.
     """
+    per_token = {
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "response_mask": response_mask,
+        "answer_mask": answer_mask,
+        "entropy": entropy,
+    }
     _check_shapes(
-        logprobs,
-        advantages,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        response_mask=response_mask,
-        answer_mask=answer_mask,
-        entropy=entropy,
-        format_advantages=format_advantages,
+        logprobs, per_token, {"advantages": advantages, "format_advantages": format_advantages}
     )
 
     dtype = logprobs.dtype
@@ -402,19 +402,22 @@ def grpo_loss(
     return loss, metrics
 
 
-def _check_shapes(logprobs: Tensor, advantages: Tensor, **optional: Tensor | None) -> None:
-    """Raise ValueError unless logprobs is (B, T), the token tensors in `optional` are (B, T)
-    and the advantages (those named `*advantages` too) are (B,)."""
+def _check_shapes(
+    logprobs: Tensor,
+    per_token: dict[str, Tensor | None],
+    per_sequence: dict[str, Tensor | None],
+) -> None:
+    """Raise ValueError unless logprobs is (B, T), the given `per_token` tensors are (B, T) and
+    the given `per_sequence` ones (B,)."""
     shape = logprobs.shape
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be (B, T), got {tuple(shape)}")
-    for name, tensor in {"advantages": advantages, **optional}.items():
-        want = shape[:1] if name.endswith("advantages") else shape
-        if tensor is None or tensor.shape == want:
-            continue
-        if name.endswith("advantages"):
-            raise ValueError(f"{name} must be (B,)={tuple(want)}, got {tuple(tensor.shape)}")
-        raise ValueError(f"{name} {tuple(tensor.shape)} != logprobs {tuple(shape)}")
+    for name, tensor in per_token.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} {tuple(tensor.shape)} != logprobs {tuple(shape)}")
+    for name, tensor in per_sequence.items():
+        if tensor is not None and tensor.shape != shape[:1]:
+            raise ValueError(f"{name} must be (B,)={tuple(shape[:1])}, got {tuple(tensor.shape)}")
 
 
 @torch.no_grad()
