@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return sweep_main(rest)
     if command == "bench":
-        from omgrpo.bench import main as bench_main
+        from omgrpo.tools.bench import main as bench_main
 
         return bench_main(rest)
     if command in {"eval", "data"}:
@@ -103,8 +103,8 @@ def _train(overrides: list[str]) -> int:
     import hydra
     from omegaconf import DictConfig
 
+    from omgrpo.backends.native.trainer import train
     from omgrpo.config import EXPERIMENTS_DIR, register_configs
-    from omgrpo.trainer import train
 
     register_configs()
 
@@ -122,8 +122,8 @@ def _base(args: list[str]) -> int:
     import argparse
     from pathlib import Path
 
-    from omgrpo.basecheck import format_checks, read_base_checks
     from omgrpo.config import compose
+    from omgrpo.models.basecheck import format_checks, read_base_checks
     from omgrpo.models.bases import ship_base
     from omgrpo.models.loading import base_model_dir
     from omgrpo.models.toy import toy_base_recipe
@@ -154,8 +154,8 @@ def _base(args: list[str]) -> int:
 def _sync(args: list[str]) -> int:
     import argparse
 
-    from omgrpo.store import RunStore
-    from omgrpo.sync import BACKENDS, sync_run
+    from omgrpo.tracking.store import RunStore
+    from omgrpo.tracking.sync import BACKENDS, sync_run
 
     parser = argparse.ArgumentParser(prog="omgrpo sync", description="Replay a run into a tracker.")
     parser.add_argument("run_dir", help="a run directory (runs/<name>)")

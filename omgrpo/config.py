@@ -13,9 +13,9 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from omgrpo.car import CarConfig
-from omgrpo.losses import AGG_MODES
-from omgrpo.tracking import TrackingConfig
+from omgrpo.core.car import CarConfig
+from omgrpo.core.losses import AGG_MODES
+from omgrpo.tracking.trackers import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 
@@ -113,7 +113,7 @@ class WarmStartConfig:
     """Seed of the initial weights and SFT batches."""
     check_problems: int = 128
     """Unseen problems, sampled 8 times each, for the base's acceptance checks (guess rates,
-    answer-token entropy, accuracy by difficulty; omgrpo.basecheck), stored as checks.json
+    answer-token entropy, accuracy by difficulty; omgrpo.models.basecheck), stored as checks.json
     beside the base. 0 skips them. Not part of the base's cache key."""
     shipped: bool = True
     """Use the base shipped with omgrpo (`omgrpo/bases/`, made by `omgrpo base ... --ship`)
@@ -181,7 +181,7 @@ class EvalConfig:
 @dataclass
 class RewardConfig:
     parts: list[str] = field(default_factory=lambda: ["soft_vote", "format"])
-    """Named reward parts summed into the reward (see `omgrpo.rewards.REWARDS`); each is logged."""
+    """Named reward parts summed into the reward (see `omgrpo.core.rewards.REWARDS`); each is logged."""
     weights: dict[str, float] = field(default_factory=dict)
     """Optional weight per part (a part not listed here has weight 1.0)."""
     math_verify: bool = True

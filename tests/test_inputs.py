@@ -7,12 +7,12 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
 from omgrpo.tasks import PromptEncoder, TaskSplits, check_prompt_lengths, load_task
 from omgrpo.tasks.files import load_problems
-from omgrpo.trainer import train
 
 
 def _jsonl(path, rows):

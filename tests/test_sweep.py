@@ -270,7 +270,7 @@ def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
 def test_the_demo_is_the_studys_seed0_cut_short():
     """`make demo` runs the first 90 steps of the collapse study's seed-0 central runs: same
     world, base, method settings and warm-up steps; only the length and the names differ."""
-    from omgrpo.checkpoint import flatten
+    from omgrpo.backends.native.checkpoint import flatten
     from omgrpo.config import compose, to_container
 
     demo = expand_grid(load_sweep(SWEEPS / "collapse_demo.yaml"))

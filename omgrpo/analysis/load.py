@@ -28,9 +28,9 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from omgrpo.diagnostics import CollapseDetector
-from omgrpo.store import RunStore
-from omgrpo.tracking import (
+from omgrpo.core.diagnostics import CollapseDetector
+from omgrpo.tracking.store import RunStore
+from omgrpo.tracking.trackers import (
     RUN_DIR_TAG,
     flatten,
     resolve_wandb_mode,
@@ -318,7 +318,7 @@ def _tracking_uri(uri: str):
 
 
 def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
-    from omgrpo.tracking import _sqlite_path, default_mlflow_uri, mlflow_client
+    from omgrpo.tracking.trackers import _sqlite_path, default_mlflow_uri, mlflow_client
 
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(Path("runs"))
     db = _sqlite_path(uri)
@@ -483,7 +483,7 @@ def aggregate_seeds(
 def collapse_step(run_df: pd.DataFrame) -> int | None:
     """The step at which the run collapsed, or None.
 
-    `collapse/detected_step` when the trainer logged it; else `omgrpo.diagnostics.
+    `collapse/detected_step` when the trainer logged it; else `omgrpo.core.diagnostics.
     CollapseDetector` replayed over the logged `answers/unique_per_prompt` and
     `answers/batch_mode_share` (thresholds from the run's `cfg.collapse.*`, default 1.5 / 0.5
     / patience 3)."""

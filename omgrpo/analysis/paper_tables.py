@@ -27,7 +27,7 @@ import pandas as pd
 
 from omgrpo.analysis.load import aggregate_seeds
 from omgrpo.analysis.tables import markdown_table
-from omgrpo.store import RunStore
+from omgrpo.tracking.store import RunStore
 
 LABELS = {
     "gt": "GT-Reward",

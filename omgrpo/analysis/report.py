@@ -110,14 +110,14 @@ def write_report(
     lines += [
         "",
         "Verdict: `collapse/detected_step` when the trainer logged it, else "
-        "`omgrpo.diagnostics.CollapseDetector` (≤ 1.5 answers per prompt and the batch's top "
+        "`omgrpo.core.diagnostics.CollapseDetector` (≤ 1.5 answers per prompt and the batch's top "
         "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics.",
         "",
     ]
 
     lines += what_happened(df)
 
-    # -- the toy bases' acceptance checks (omgrpo.basecheck) --------------------------------
+    # -- the toy bases' acceptance checks (omgrpo.models.basecheck) --------------------------------
     lines += base_checks_section(base_checks(dirs))
 
     # -- tables --------------------------------------------------------------------------
@@ -235,8 +235,8 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
     the toy bases the runs started from."""
     from omegaconf import OmegaConf
 
-    from omgrpo.basecheck import read_base_checks
     from omgrpo.config import Config
+    from omgrpo.models.basecheck import read_base_checks
     from omgrpo.models.toy import toy_base_key
 
     schema = OmegaConf.structured(Config)
@@ -254,8 +254,8 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
 
 
 def base_checks_section(checks: dict[str, dict | None]) -> list[str]:
-    """Markdown lines: each toy base's acceptance checks (`omgrpo.basecheck.format_checks`)."""
-    from omgrpo.basecheck import format_checks
+    """Markdown lines: each toy base's acceptance checks (`omgrpo.models.basecheck.format_checks`)."""
+    from omgrpo.models.basecheck import format_checks
 
     if not checks:
         return []
@@ -316,7 +316,7 @@ def summarize(df: pd.DataFrame) -> dict:
 
 
 def _run_name(run_dir: Path) -> str:
-    from omgrpo.store import RunStore
+    from omgrpo.tracking.store import RunStore
 
     try:
         config = RunStore(run_dir).read_config() or {}

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omgrpo.store import RunStore
+from omgrpo.tracking.store import RunStore
 
 
 class CheckpointError(ValueError):

@@ -6,7 +6,7 @@ Per problem with n samples of which c are correct:
           correct, the unbiased estimator of Chen et al. (2021):
           1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i);
 - maj@k   whether the most common answer among the first k samples (equivalence classes of
-          `omgrpo.answers.cluster`; ties go to the class seen first) is correct;
+          `omgrpo.core.answers.cluster`; ties go to the class seen first) is correct;
 - extraction rate: share of samples with a `\\boxed{}` answer.
 Each is averaged over problems; `bootstrap_ci` resamples problems for a 95% interval.
 """

@@ -29,14 +29,14 @@ from typing import Any
 import pandas as pd
 import torch
 
-from omgrpo import answers as grader
+from omgrpo.core import answers as grader
 from omgrpo.eval.checkpoints import Choice, choose_checkpoint
 from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
 from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler
 from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite
-from omgrpo.store import RunStore
 from omgrpo.tasks.base import Problem
+from omgrpo.tracking.store import RunStore
 
 CHUNK_PROBLEMS = 32  # problems sampled at once; progress is reported after each chunk
 
@@ -70,7 +70,7 @@ def grader_version() -> dict[str, Any]:
     different code are told apart."""
     source = Path(grader.__file__).read_bytes()
     return {
-        "module": "omgrpo.answers",
+        "module": "omgrpo.core.answers",
         "version": getattr(grader, "GRADER_VERSION", None),
         "source_sha256": hashlib.sha256(source).hexdigest()[:16],
         "math_verify": bool(getattr(grader, "_MATH_VERIFY_ENABLED", True)),
@@ -104,7 +104,7 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     """(model, tokenizer, model directory) with the chosen checkpoint's weights loaded."""
     from omegaconf import OmegaConf
 
-    from omgrpo.checkpoint import STATE_FILE, verify_checkpoint
+    from omgrpo.backends.native.checkpoint import STATE_FILE, verify_checkpoint
     from omgrpo.models.loading import (
         base_model_dir,
         load_model,
@@ -164,7 +164,7 @@ def sample_and_grade(
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> pd.DataFrame:
     """One row per sample: the response, its boxed answer, whether it equals the gold answer
-    (`omgrpo.answers.equivalent`) and its answer class among the problem's k samples."""
+    (`omgrpo.core.answers.equivalent`) and its answer class among the problem's k samples."""
     rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
@@ -324,7 +324,7 @@ def evaluate(
 
 
 def _identity(target: Target) -> dict[str, Any]:
-    from omgrpo.tracking import run_method, run_scale
+    from omgrpo.tracking.trackers import run_method, run_scale
 
     if not target.is_run:
         return {"model": str(target.path)}
@@ -354,9 +354,9 @@ def metric_rows(summary: dict[str, Any], label: str) -> dict[str, float]:
 
 def log_to_trackers(target: Target, out_dir: Path, summary: dict, say) -> None:
     """Add the metrics (at the checkpoint's step) and the evaluation files to the run's MLflow
-    / W&B run (`omgrpo.tracking`: continuing the run of this directory, with the run store's
+    / W&B run (`omgrpo.tracking.trackers`: continuing the run of this directory, with the run store's
     history replayed where a backend opens a new one); a failing backend only warns."""
-    from omgrpo.tracking import build_trackers
+    from omgrpo.tracking.trackers import build_trackers
 
     config = target.config
     tracking = config.get("tracking") or {}

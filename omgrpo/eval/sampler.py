@@ -1,6 +1,6 @@
 """Sampling backends for evaluation: k response texts per question, same format for both.
 
-- `native`: `omgrpo.rollout.sample` (KV cache, CPU or one GPU), the trainer's sampler.
+- `native`: `omgrpo.generation.rollout.sample` (KV cache, CPU or one GPU), the trainer's sampler.
 - `vllm`: vLLM's offline `LLM.generate` (optional: `pip install -e '.[vllm]'`); a GPU user
   evaluates at vLLM speed. Run checkpoints are exported to a Hugging Face directory first.
 
@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from omgrpo.eval.suite import BenchmarkSpec
-from omgrpo.rollout import sample, stop_token_ids
+from omgrpo.generation.rollout import sample, stop_token_ids
 from omgrpo.tasks import PromptEncoder
 from omgrpo.tasks.base import Problem
 

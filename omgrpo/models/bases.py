@@ -94,7 +94,7 @@ def ship_base(
 ) -> Path:
     """Copy a trained, checked base into `shipped_dir` with its manifest. Refuses a base that
     failed (or never ran) its acceptance checks: shipped bases are the ones studies trust."""
-    from omgrpo.basecheck import read_base_checks
+    from omgrpo.models.basecheck import read_base_checks
 
     key = base_dir.name.removeprefix("toy-base-")
     checks = read_base_checks(base_dir)

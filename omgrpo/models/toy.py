@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 
-from omgrpo.basecheck import write_base_checks
-from omgrpo.car import car_prompt, car_text
 from omgrpo.console import Progress, quiet_library_bars
-from omgrpo.engine import left_pad, right_pad
-from omgrpo.losses import token_logprobs_and_entropy
+from omgrpo.core.car import car_prompt, car_text
+from omgrpo.core.losses import token_logprobs_and_entropy
+from omgrpo.generation.engine import left_pad, right_pad
+from omgrpo.generation.rollout import Sequences, response_logits
+from omgrpo.models.basecheck import write_base_checks
 from omgrpo.models.bases import install_shipped
 from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
-from omgrpo.rollout import Sequences, response_logits
 from omgrpo.tasks.base import render_prompt
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
@@ -214,7 +214,7 @@ def solution_examples(tokenizer: PreTrainedTokenizerBase, problems: list) -> lis
 def car_examples(
     tokenizer: PreTrainedTokenizerBase, problems: list, spec: ToyWorldSpec, seed: int
 ) -> list[Example]:
-    """CAR comparisons (the paper's CAR prompt, `omgrpo.car.car_prompt`) -> the correct answer
+    """CAR comparisons (the paper's CAR prompt, `omgrpo.core.car.car_prompt`) -> the correct answer
     and the closing brace. A quarter compare a correct solution with itself (rollouts of a group
     are often identical), the rest a correct one with a corrupted one, in random order. This is
     the toy stand-in for what a pre-trained LLM brings to CAR: the answer format and some

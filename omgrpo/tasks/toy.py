@@ -30,7 +30,7 @@ import random
 import re
 from dataclasses import dataclass, replace
 
-from omgrpo.answers import normalize
+from omgrpo.core.answers import normalize
 from omgrpo.tasks.base import Problem, TaskSplits
 
 _OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}

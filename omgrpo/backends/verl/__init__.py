@@ -9,11 +9,11 @@ pieces, one module each:
 | reward      | `compute_score`: per-sample format score, `pred` (validation maj@N), `acc`     |
 |             | (diagnostic)                                                                   |
 | agent_loop  | agent-loop worker that waits for a prompt's G rollouts, runs CAR on the policy's |
-|             | rollout servers, scores the group (`omgrpo.step.score_step`: soft vote + CAR   |
+|             | rollout servers, scores the group (`omgrpo.core.step.score_step`: soft vote + CAR   |
 |             | pool, format), presets each rollout's reward and records its answer tokens     |
 | advantage   | per-token advantages: w on answer tokens (or the format advantage)             |
 | loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
-| metrics     | the step's `StepBatch` from the rollouts' records -> `omgrpo.step.step_metrics` |
+| metrics     | the step's `StepBatch` from the rollouts' records -> `omgrpo.core.step.step_metrics` |
 | trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
 | config      | the `omgrpo` config section and composing verl's `ppo_trainer` with a preset   |
 | launch      | `omgrpo train backend=verl ...` (`--dry-run` prints the composed config)       |

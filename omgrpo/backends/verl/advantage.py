@@ -1,7 +1,7 @@
 """Answer-token weighting of verl's GRPO advantages (the Outcome-Masked Update, paper §3.2).
 
 verl's GRPO estimator gives every response token of rollout i the same advantage A_i (per-uid
-mean and unbiased std, eps 1e-6: the same as `omgrpo.losses.group_advantages`). OM-GRPO then
+mean and unbiased std, eps 1e-6: the same as `omgrpo.core.losses.group_advantages`). OM-GRPO then
 weights it per token: w on answer-span tokens, 1 elsewhere; in the "format-only" ablation
 answer tokens get the group advantage of the format reward instead. The V1 trainer's advantage
 step reads only uid / response_mask / rm_scores / log-probs / values, so the `omgrpo` trainer
@@ -20,7 +20,7 @@ from verl import DataProto
 from verl.workers.utils.padding import response_to_nested
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY
-from omgrpo.losses import answer_token_advantages, group_advantages
+from omgrpo.core.losses import answer_token_advantages, group_advantages
 
 __all__ = ["apply_answer_weighting", "weight_advantages", "weight_jagged"]
 

@@ -10,7 +10,7 @@ lets each session finish generating, waits until the prompt's G sessions are the
    prompt, "Here are two possible solutions: ... \\boxed{") is sent to the rollout servers for
    a short answer (`omgrpo.car.max_new_tokens`); the servers are awake in the generation stage,
    so this is the policy being trained;
-2. scores the group with the native trainer's `omgrpo.step.score_step`: soft vote over the
+2. scores the group with the native trainer's `omgrpo.core.step.score_step`: soft vote over the
    rollouts' answers plus the pair answers, format, ...; each rollout's answer-token mask;
 3. presets every rollout's `reward_score` (verl then skips its per-sample reward) and hands the
    rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
@@ -37,13 +37,13 @@ import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.answers import grading_budget, set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.reward import label_of, pred_of
-from omgrpo.car import CarResult, car_text, enumerate_pairs, parse_pair_answer
-from omgrpo.rewards import format_score
-from omgrpo.step import StepBatch, score_step
+from omgrpo.core.answers import grading_budget, set_math_verify
+from omgrpo.core.car import CarResult, car_text, enumerate_pairs, parse_pair_answer
+from omgrpo.core.rewards import format_score
+from omgrpo.core.step import StepBatch, score_step
 from omgrpo.tasks import Problem
 
 __all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
@@ -68,7 +68,7 @@ def car_prompt_ids(
 
     The rollout's own prompt (chat template, question, open assistant turn) is followed by
     "Here are two possible solutions: [Solution 1] ... [Solution 2] ... the correct final answer
-    is \\boxed{" (`omgrpo.car`'s template). Each solution (generated ids, special tokens dropped)
+    is \\boxed{" (`omgrpo.core.car`'s template). Each solution (generated ids, special tokens dropped)
     is cut to its first `max_solution_tokens` tokens (<= 0: whole), and further so that the
     prompt plus `max_new_tokens` fits in `max_len` (vLLM rejects longer prompts). The length is
     checked on the final ids: decoding the cut solutions and encoding the concatenated text

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, fields
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from omgrpo.car import CarConfig
 from omgrpo.config import (
     EXPERIMENTS_DIR,
     AlgorithmConfig,
@@ -24,6 +23,7 @@ from omgrpo.config import (
     RewardConfig,
     validate_algorithm,
 )
+from omgrpo.core.car import CarConfig
 
 VERL_PRESETS_DIR = EXPERIMENTS_DIR / "verl"
 

@@ -27,7 +27,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY
-from omgrpo.losses import token_weights
+from omgrpo.core.losses import token_weights
 
 __all__ = ["loss_metric_means", "omgrpo_ppo_loss"]
 

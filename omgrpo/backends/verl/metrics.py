@@ -2,8 +2,8 @@
 
 The agent loop stores a small record per rollout in `extra_fields["omgrpo"]` (answer, label,
 correctness, reward parts, CAR pair answers of the anchor, CAR timings). The driver regroups the
-records by prompt (`uid`) into the step's `omgrpo.step.StepBatch` and calls the native
-trainer's `omgrpo.step.step_metrics`, so names and definitions are the native trainer's
+records by prompt (`uid`) into the step's `omgrpo.core.step.StepBatch` and calls the native
+trainer's `omgrpo.core.step.step_metrics`, so names and definitions are the native trainer's
 (`answers/*`, `acc/train`, `reward/*`, `car/*`). Labels only diagnose.
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from omgrpo.car import CarResult
-from omgrpo.rewards import make_group
-from omgrpo.step import LoopState, StepBatch
-from omgrpo.step import step_metrics as batch_metrics
+from omgrpo.core.car import CarResult
+from omgrpo.core.rewards import make_group
+from omgrpo.core.step import LoopState, StepBatch
+from omgrpo.core.step import step_metrics as batch_metrics
 from omgrpo.tasks import Problem
 
 __all__ = ["batch_from_records", "step_metrics"]
@@ -92,7 +92,7 @@ def step_metrics(
     confident_share: float,
     state: LoopState,
 ) -> dict[str, float]:
-    """Diagnostics of one step's rollouts (`omgrpo.step.step_metrics`).
+    """Diagnostics of one step's rollouts (`omgrpo.core.step.step_metrics`).
 
     Args:
         uids: verl's prompt uid of each rollout (padding rows excluded).

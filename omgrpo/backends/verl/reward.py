@@ -5,7 +5,7 @@
 (the format reward), `pred` (the normalised boxed answer, so verl's validation reports maj@N)
 and `acc` (equivalence to the label: a diagnostic, and verl's `val-core` metric). During
 training the omgrpo agent loop presets every rollout's reward with the group reward of
-`omgrpo.step.score_step`, so verl calls this function only for validation (and for any rollout
+`omgrpo.core.step.score_step`, so verl calls this function only for validation (and for any rollout
 without a preset reward).
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omgrpo.answers import normalize, set_math_verify
-from omgrpo.rewards import format_score
-from omgrpo.step import extract_answer, is_correct
+from omgrpo.core.answers import normalize, set_math_verify
+from omgrpo.core.rewards import format_score
+from omgrpo.core.step import extract_answer, is_correct
 
 __all__ = ["NO_ANSWER", "compute_score", "label_of", "pred_of"]
 

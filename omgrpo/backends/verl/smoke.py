@@ -7,7 +7,7 @@ of majority voting (w = 1). Then it checks what verl's file logger recorded (`ch
 omgrpo's metrics reached verl's logger, rewards and advantages were not all zero, the answer
 masks reached the loss (`answer/frac` > 0) and the answer tokens' share of the PG weight is
 exactly 0 at w = 0 and > 0 at w = 1. `scripts/gpu_smoke.sh` wraps it; the CPU test
-(`tests/test_verl_e2e.py`) runs the same checks on a toy model.
+(`tests/backends/verl/test_verl_e2e.py`) runs the same checks on a toy model.
 """
 
 from __future__ import annotations

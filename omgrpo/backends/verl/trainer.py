@@ -35,14 +35,14 @@ from verl.trainer.distillation import is_distillation_enabled
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.config import omega_conf_to_dataclass
 
-from omgrpo.answers import set_math_verify
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.advantage import weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
-from omgrpo.diagnostics import CollapseDetector
-from omgrpo.step import LoopState
+from omgrpo.core.answers import set_math_verify
+from omgrpo.core.diagnostics import CollapseDetector
+from omgrpo.core.step import LoopState
 
 __all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
 

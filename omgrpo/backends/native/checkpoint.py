@@ -1,0 +1,191 @@
+"""Checkpoints that make `run.resume=true` continue a killed run exactly (on CPU, bit for bit).
+
+A checkpoint holds the policy, optimizer and scheduler state, every RNG the loop consumes, the
+loop's counters and the resolved config it was written under. It is written to a temporary
+directory, its sha256 goes into `manifest.json`, `COMPLETE` is written last and the directory
+is renamed into place, so a kill during saving never leaves a half checkpoint that resume
+would pick; a file damaged later (a full disk, a bad copy) fails its checksum, is named in a
+warning, and resume falls back to the newest intact checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from omgrpo.tracking.store import RunStore
+from omgrpo.tracking.trackers import flatten
+
+STATE_FILE = "state.pt"
+MANIFEST = "manifest.json"
+
+# Settings that may differ between the checkpoint's config and the resuming one: where the run
+# lives, how it is named and grouped in trackers, how it is mirrored and shown, when and how
+# many checkpoints are kept. None of them changes a trained weight or a logged value. (eval.* is not here: validation draws from the CUDA RNG
+# on a GPU, so its schedule changes the training trajectory there, and its other settings
+# change what the val/* curves mean mid-run.)
+RESUME_IGNORED_KEYS = {
+    "run.resume",
+    "run.root",
+    "run.experiment",
+    "run.variant",
+    "run.tags",
+    "trainer.progress",
+    "trainer.threads",
+    "trainer.log_every",
+    "trainer.save_every",
+    "trainer.keep_checkpoints",
+    "trainer.keep_best",
+    # where the base comes from (shipped or trained): the base of a run that has a checkpoint
+    # is already in the cache; the key, not this, names the weights
+    "model.warm_start.shipped",
+}
+RESUME_IGNORED_SECTIONS = ("tracking.", "console.")
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint failed its checksum or could not be read; an older one is used."""
+
+
+def resume_relevant(key: str) -> bool:
+    """Whether a (flattened) config key must match for a checkpoint to be resumed."""
+    return key not in RESUME_IGNORED_KEYS and not key.startswith(RESUME_IGNORED_SECTIONS)
+
+
+def config_diff(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ (or exist on one side only), leaving out the settings that do
+    not change training (`resume_relevant`)."""
+    a, b = flatten(saved), flatten(current)
+    keys = sorted(k for k in set(a) | set(b) if resume_relevant(k))
+    return [
+        f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+        for k in keys
+        if a.get(k, "<absent>") != b.get(k, "<absent>")
+    ]
+
+
+def rng_state() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    path: Path,
+    *,
+    step: int,
+    model: torch.nn.Module,
+    optimizer,
+    scheduler,
+    loop_state: dict[str, Any],
+    config: dict[str, Any],
+) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state_file = tmp / STATE_FILE
+    torch.save(
+        {
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": rng_state(),
+            "loop": loop_state,
+            "config": config,
+        },
+        state_file,
+    )
+    with state_file.open("rb") as f:
+        os.fsync(f.fileno())  # on disk before the manifest vouches for it
+    manifest = {"step": step, "sha256": {STATE_FILE: _sha256(state_file)}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (tmp / "COMPLETE").write_text(str(step))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise ValueError naming the file when a checkpoint's files do not match its manifest
+    (checkpoints written before manifests existed have none and are only read)."""
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        return
+    try:
+        expected = json.loads(manifest.read_text())["sha256"]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{manifest}: unreadable checkpoint manifest ({e})") from e
+    for name, digest in expected.items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file}: missing (listed in {manifest})")
+        if _sha256(file) != digest:
+            raise ValueError(f"{file}: sha256 does not match {manifest} (damaged or truncated)")
+
+
+def load_latest_intact_checkpoint(
+    store: RunStore, current_config: dict[str, Any]
+) -> tuple[Path, dict[str, Any]] | None:
+    """(folder, state) of the newest checkpoint of `store` that passes its checksum and loads, or
+    None if there is none. Each damaged newer one is named in a CheckpointWarning. Raises if
+    every checkpoint is damaged (rather than silently starting over), or if the checkpoint was
+    written under a config that differs in a setting that matters."""
+    damaged = []
+    for path in store.complete_checkpoints():
+        try:
+            verify_checkpoint(path)
+            state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+        except Exception as e:  # a checksum mismatch, or torch cannot read the file
+            warnings.warn(
+                f"skipping checkpoint {path / STATE_FILE}: {e}; trying an older one",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+            damaged.append(str(path / STATE_FILE))
+            continue
+        check_resumable(path, state["config"], current_config)
+        return path, state
+    if damaged:
+        raise ValueError(
+            f"no intact checkpoint to resume from; damaged: {', '.join(damaged)}. Delete "
+            f"{store.checkpoints_dir} to start the run over."
+        )
+    return None
+
+
+def check_resumable(path: Path, saved_config: dict, current_config: dict) -> None:
+    """Refuse a checkpoint written under a config that differs in a setting that matters."""
+    diff = config_diff(saved_config, current_config)
+    if diff:
+        raise ValueError(
+            f"refusing to resume from {path}: it was written under another config.\n  "
+            + "\n  ".join(diff)
+            + "\nStart a new run (another run.name) or restore these settings."
+        )

@@ -1,0 +1,193 @@
+"""Collapse diagnostics computed from one step's rollouts (labels, where known, only diagnose).
+
+Pure functions over the step's answers; the metric names are the contract with trackers and
+analysis (see the README's metric table).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from omgrpo.core.answers import normalize
+from omgrpo.core.rewards import RewardGroup, majority_class
+from omgrpo.tasks.toy import is_guess, last_result
+
+
+def answer_diagnostics(
+    groups: Sequence[RewardGroup], correct: Sequence[Sequence[bool | None]]
+) -> dict[str, float]:
+    """Answer diversity and vote statistics of a batch of groups.
+
+    `correct[g][i]` is whether rollout i of group g matches the label (None: no label).
+    - `answers/unique_per_prompt`: mean number of distinct answer classes per group
+    - `answers/unique_per_batch`: distinct (normalised) answers over the whole batch
+    - `answers/batch_mode_share`: share of all rollouts giving the batch's most common answer
+      (the paper's "predicted-1 share"); `answers/batch_mode` is that answer
+    - `answers/vote_entropy`: mean entropy (nats) of each group's answer distribution
+    - `answers/extract_rate`: share of rollouts with an extractable boxed answer
+    - `answers/top_vote_acc`: share of labelled groups whose majority answer is correct (the
+      pseudo-label accuracy)
+    - `answers/wrong_majority`: share of labelled groups whose majority answer is wrong (the
+      rest had no answer at all)
+    - `acc/train`: share of labelled rollouts that are correct
+    """
+    n_rollouts = sum(g.size for g in groups)
+    extracted = [a for g in groups for a in g.answers if a is not None]
+    batch_counts = Counter(normalize(a) for a in extracted)
+    mode, mode_count = batch_counts.most_common(1)[0] if batch_counts else (None, 0)
+
+    unique, entropies, top_hits, wrong_top, labelled = [], [], 0, 0, 0
+    for g, ok in zip(groups, correct):
+        counts = Counter(c for c in g.classes if c is not None)
+        unique.append(len(counts))
+        total = sum(counts.values())
+        entropies.append(
+            -sum(n / total * math.log(n / total) for n in counts.values()) if total else 0.0
+        )
+        top = majority_class(g.classes)
+        if g.label is not None:
+            labelled += 1
+            top_hits += top is not None and bool(ok[g.classes.index(top)])
+            wrong_top += top is not None and not ok[g.classes.index(top)]
+    flat = [c for ok in correct for c in ok if c is not None]
+    return {
+        "answers/unique_per_prompt": _mean(unique),
+        "answers/unique_per_batch": float(len(batch_counts)),
+        "answers/batch_mode": mode if mode is not None else "",
+        "answers/batch_mode_share": mode_count / n_rollouts if n_rollouts else 0.0,
+        "answers/vote_entropy": _mean(entropies),
+        "answers/extract_rate": len(extracted) / n_rollouts if n_rollouts else 0.0,
+        "answers/top_vote_acc": top_hits / labelled if labelled else float("nan"),
+        "answers/wrong_majority": wrong_top / labelled if labelled else float("nan"),
+        "acc/train": _mean([float(c) for c in flat]) if flat else float("nan"),
+    }
+
+
+def guess_diagnostics(
+    texts: Sequence[str],
+    answers: Sequence[str | None],
+    difficulties: Sequence[str],
+    peak: str | None,
+    prefix: str = "answers",
+) -> dict[str, float]:
+    """How the boxed answers relate to the reasoning before them (the shortcut worlds,
+    docs/toy-worlds.md), over rollouts with an answer:
+    - `<prefix>/consistency`: share whose answer is the value their reasoning computed last;
+    - `<prefix>/guess_rate_<difficulty>`: share that box something else (`toy.is_guess`), by
+      the problems' difficulty;
+    - `<prefix>/bare_guess_rate`: share that box an answer with no computed line before it;
+    - `<prefix>/peak_share`: share of all rollouts boxing `peak`, the guess prior's peak value.
+    """
+    answered = [(t, a, d) for t, a, d in zip(texts, answers, difficulties) if a is not None]
+    guesses = [(is_guess(t, a), d) for t, a, d in answered]
+    out = {
+        f"{prefix}/consistency": _mean([float(not g) for g, _ in guesses]) if guesses else 0.0,
+        f"{prefix}/bare_guess_rate": _mean([float(last_result(t) is None) for t, _, _ in answered])
+        if answered
+        else 0.0,
+    }
+    for difficulty in sorted(set(difficulties)):
+        part = [float(g) for g, d in guesses if d == difficulty]
+        out[f"{prefix}/guess_rate_{difficulty}"] = _mean(part) if part else float("nan")
+    if peak is not None:
+        out[f"{prefix}/peak_share"] = (
+            sum(a is not None and normalize(a) == peak for a in answers) / len(answers)
+            if answers
+            else 0.0
+        )
+    return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def confidently_wrong(groups: Sequence[RewardGroup], correct, min_share: float) -> float:
+    """Share of labelled groups whose majority answer is wrong while holding at least
+    `min_share` of the group's votes (the model is sure, and sure of the wrong thing)."""
+    hits, labelled = 0, 0
+    for g, ok in zip(groups, correct):
+        if g.label is None:
+            continue
+        labelled += 1
+        top = majority_class(g.classes)
+        if top is None:
+            continue
+        share = sum(c == top for c in g.classes) / g.size
+        hits += share >= min_share and not ok[g.classes.index(top)]
+    return hits / labelled if labelled else float("nan")
+
+
+def majority_answers(groups: Sequence[RewardGroup]) -> list[str | None]:
+    """Each group's pseudo-label: its majority answer, normalised (None: no votes)."""
+    out = []
+    for g in groups:
+        top = majority_class(g.classes)
+        out.append(None if top is None else normalize(g.answers[g.classes.index(top)]))
+    return out
+
+
+def label_flip_rate(
+    prompt_ids: Sequence[str], pseudo_labels: Sequence[str | None], last_seen: dict[str, str]
+) -> float:
+    """Share of revisited prompts whose majority answer differs from their previous visit.
+    Updates `last_seen` in place (it is part of the trainer's checkpointed state)."""
+    flips, revisits = 0, 0
+    for pid, label in zip(prompt_ids, pseudo_labels):
+        if label is None:
+            continue
+        if pid in last_seen:
+            revisits += 1
+            flips += last_seen[pid] != label
+        last_seen[pid] = label
+    return flips / revisits if revisits else float("nan")
+
+
+def recovery_metrics(correct: Sequence[Sequence[bool]], state: dict) -> dict[str, float]:
+    """Failure recovery on the validation prompts (paper: prompts with initial pass@8 = 0).
+
+    The first call fixes the prompts no sample solved; later calls report how many of them have
+    been solved at least once so far (`recovery/cum_pass`) and their avg@k now
+    (`recovery/cum_avg`). `state` is checkpointed by the trainer.
+    """
+    if "zero" not in state:
+        state["zero"] = [i for i, ok in enumerate(correct) if not any(ok)]
+        state["solved"] = []
+    zero = state["zero"]
+    solved = set(state["solved"]) | {i for i in zero if any(correct[i])}
+    state["solved"] = sorted(solved)
+    return {
+        "recovery/zero_pass_prompts": float(len(zero)),
+        "recovery/cum_pass": len(solved) / len(zero) if zero else float("nan"),
+        "recovery/cum_avg": _mean([sum(correct[i]) / len(correct[i]) for i in zero])
+        if zero
+        else float("nan"),
+    }
+
+
+class CollapseDetector:
+    """Flags collapse when, for `patience` consecutive steps, answers per prompt fall to at
+    most `max_unique_per_prompt` AND the batch's most common answer holds at least
+    `min_mode_share` of all rollouts: the model repeats one answer whatever the question."""
+
+    def __init__(self, max_unique_per_prompt: float, min_mode_share: float, patience: int):
+        self.max_unique, self.min_share, self.patience = (
+            max_unique_per_prompt,
+            min_mode_share,
+            patience,
+        )
+        self.state = {"streak": 0, "detected_step": None}
+
+    def update(self, step: int, metrics: dict[str, float]) -> bool:
+        """Feed one step's metrics; True exactly once, at the step collapse is detected."""
+        collapsed = (
+            metrics["answers/unique_per_prompt"] <= self.max_unique
+            and metrics["answers/batch_mode_share"] >= self.min_share
+        )
+        self.state["streak"] = self.state["streak"] + 1 if collapsed else 0
+        if self.state["detected_step"] is None and self.state["streak"] >= self.patience:
+            self.state["detected_step"] = step
+            return True
+        return False

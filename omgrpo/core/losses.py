@@ -1,0 +1,449 @@
+"""GRPO losses with the Outcome-Masked Update (OMU).
+
+Pure tensor functions in the style of verl's ``core_algos``: every loss returns
+``(loss, metrics)`` where ``loss`` is a scalar tensor carrying the graph and ``metrics``
+is a dict of python floats.
+
+Notation (shapes)
+-----------------
+- ``B``: number of rollouts in the (micro-)batch, ``T``: padded response length,
+  ``V``: vocabulary size.
+- ``response_mask`` (B, T): 1 on valid response tokens (everything else is padding).
+- ``answer_mask`` (B, T): 1 on the tokens of the final-answer span (the content inside
+  ``\\boxed{}``); a subset of the response.
+
+Sources
+-------
+- GRPO group-normalised advantages and clipped objective: Shao et al. 2024,
+  "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models"
+  (the clipped surrogate itself is PPO, Schulman et al. 2017).
+- k3 KL estimator: J. Schulman, "Approximating KL divergence" (blog, 2020); identical to
+  verl's ``kl_penalty(..., "low_var_kl")`` including its clamps.
+- Outcome-Masked Update: the paper's masked objective. Every response token ``t`` of rollout
+  ``i`` gets a weight ``m_t = w`` if ``t`` is an answer token and ``1`` otherwise; the
+  per-token PG advantage is ``m_t * A_i`` and the per-token KL is ``m_t * k3_t``. ``w = 0`` is
+  OM-GRPO, ``w = 1`` is vanilla GRPO. OMU is only a weight: aggregation (and in particular its
+  denominator) is unchanged, so reasoning-token gradients do not depend on ``w``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "AGG_MODES",
+    "agg_loss",
+    "answer_token_advantages",
+    "group_advantages",
+    "grpo_loss",
+    "kl_k3",
+    "masked_mean",
+    "token_logprobs_and_entropy",
+    "token_weights",
+]
+
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+# Groups whose rewards span at most this much (or whose std is at most this) are degenerate.
+_DEGENERATE_TOL = 1e-12
+# verl clamps log-ratios before exponentiating (compute_policy_loss / kl_penalty).
+_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages
+# --------------------------------------------------------------------------------------------
+def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO outcome advantages, normalised within each group of rollouts.
+
+    ``A_i = (r_i - mean_g) / (std_g + eps)`` where ``g`` is the group of rollout ``i`` and
+    ``std_g`` is the unbiased (N-1) standard deviation, as in verl's GRPO estimator
+    (Shao et al. 2024, eq. for outcome supervision). Groups of size 1, and groups whose rewards
+    are all equal (range or std at most 1e-12), get ``A = 0`` exactly.
+
+    Vectorised with ``unique(return_inverse=True)`` + ``index_add``; no loop over groups.
+
+    Args:
+        rewards: (B,) scalar reward per rollout.
+        group_ids: (B,) integer group id per rollout (any values; groups need not be
+            contiguous).
+        eps: added to the std in the denominator.
+
+    Returns:
+        (B,) advantages. float32/float64 input keeps its dtype; other floating dtypes are
+        computed in float32 and cast back; integer/bool rewards give float32.
+    """
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(
+            f"rewards and group_ids must both be (B,), got {tuple(rewards.shape)} and "
+            f"{tuple(group_ids.shape)}"
+        )
+    if rewards.dtype in (torch.float32, torch.float64):
+        compute_dtype = out_dtype = rewards.dtype
+    elif rewards.is_floating_point():
+        compute_dtype, out_dtype = torch.float32, rewards.dtype
+    else:
+        compute_dtype = out_dtype = torch.float32
+    r = rewards.detach().to(compute_dtype)
+
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    n_groups = uniq.numel()
+    counts = torch.bincount(inv, minlength=n_groups).to(compute_dtype)  # (G,)
+    zeros_g = torch.zeros(n_groups, dtype=compute_dtype, device=r.device)
+
+    mean = zeros_g.index_add(0, inv, r) / counts.clamp(min=1)  # (G,)
+    dev = r - mean[inv]  # (B,)
+    var = zeros_g.index_add(0, inv, dev * dev) / (counts - 1).clamp(min=1)  # unbiased
+    std = var.sqrt()  # (G,)
+    gmax = zeros_g.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
+    gmin = zeros_g.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
+
+    degenerate = (counts < 2) | (std <= _DEGENERATE_TOL) | ((gmax - gmin) <= _DEGENERATE_TOL)
+    adv = dev / (std[inv] + eps)
+    adv = torch.where(degenerate[inv], torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation
+# --------------------------------------------------------------------------------------------
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """``sum(x * mask) / max(sum(mask), 1)`` over all elements.
+
+    Masked-out entries are selected away (``where``), so non-finite values there (e.g. padding)
+    do not leak into the result.
+
+    Args:
+        x: any shape.
+        mask: same shape as ``x`` (or broadcastable); bool or 0/1.
+
+    Returns:
+        0-dim tensor (0 when the mask is empty).
+    """
+    m = mask.to(x.dtype)
+    return torch.where(m != 0, x * m, torch.zeros_like(x)).sum() / m.sum().clamp(min=1)
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    loss_mask: Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+) -> Tensor:
+    """Aggregate a per-token loss into a scalar (the single owner of all aggregation modes).
+
+    Modes (as verl's ``agg_loss``):
+
+    - ``"token-mean"``: ``sum(loss * mask) / D`` with ``D = num_tokens`` if given (e.g. the
+      number of response tokens of the whole mini-batch when micro-batching, so that summing
+      micro-batch gradients reproduces the mini-batch gradient) else ``mask.sum()``; ``D`` is
+      clamped to at least 1.
+    - ``"seq-mean-token-sum"``: per-sequence ``sum_t loss * mask``, averaged over sequences that
+      have at least one valid token.
+    - ``"seq-mean-token-mean"``: per-sequence ``sum_t loss * mask / max(sum_t mask, 1)``,
+      averaged over sequences that have at least one valid token.
+
+    ``num_tokens`` is only used by ``"token-mean"``; the seq modes always average over the
+    non-empty sequences of ``loss_mat`` (callers that micro-batch them must rescale).
+
+    Args:
+        loss_mat: (B, T) per-token loss.
+        loss_mask: (B, T) bool or 0/1 mask of tokens that count.
+        mode: one of ``AGG_MODES``.
+        num_tokens: optional global token count for ``"token-mean"``.
+
+    Returns:
+        0-dim tensor.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {AGG_MODES}")
+    if loss_mat.shape != loss_mask.shape:
+        raise ValueError(
+            f"loss_mat {tuple(loss_mat.shape)} and loss_mask {tuple(loss_mask.shape)} differ"
+        )
+    mask = loss_mask.to(loss_mat.dtype)
+    masked = loss_mat * mask
+
+    if mode == "token-mean":
+        if num_tokens is None:
+            denom = mask.sum()
+        else:
+            denom = torch.as_tensor(num_tokens, dtype=loss_mat.dtype, device=loss_mat.device)
+        return masked.sum() / denom.clamp(min=1)
+
+    seq_len = mask.sum(dim=-1)  # (B,)
+    seq_losses = masked.sum(dim=-1)  # (B,)
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / seq_len.clamp(min=1)
+    seq_valid = (seq_len > 0).to(loss_mat.dtype)
+    return (seq_losses * seq_valid).sum() / seq_valid.sum().clamp(min=1)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-token pieces
+# --------------------------------------------------------------------------------------------
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(pi || pi_ref) per token (verl's ``"low_var_kl"``).
+
+    With ``kl = clamp(ref - logp, -20, 20)``: ``k3 = clamp(exp(kl) - kl - 1, -10, 10)``
+    (Schulman, "Approximating KL divergence", 2020). Non-negative and unbiased for samples
+    drawn from ``pi``.
+
+    Args:
+        logprobs: (B, T) log pi(token) under the current policy.
+        ref_logprobs: (B, T) log pi_ref(token).
+
+    Returns:
+        (B, T) elementwise k3.
+    """
+    kl = (ref_logprobs - logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    k3 = torch.exp(kl) - kl - 1
+    return k3.clamp(-_K3_CLAMP, _K3_CLAMP)
+
+
+def token_weights(
+    answer_mask: Tensor, answer_weight: float, *, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """OMU token weights: ``answer_weight`` on answer-span tokens, 1 elsewhere.
+
+    Args:
+        answer_mask: (B, T) bool or 0/1 mask of answer-span tokens.
+        answer_weight: the OMU weight ``w`` (0 = OM-GRPO, 1 = vanilla GRPO).
+        dtype: floating dtype of the result.
+
+    Returns:
+        (B, T) weights of ``dtype``.
+    """
+    ones = torch.ones(answer_mask.shape, dtype=dtype, device=answer_mask.device)
+    return torch.where(answer_mask.bool(), ones * answer_weight, ones)
+
+
+def answer_token_advantages(
+    advantages: Tensor,
+    answer_mask: Tensor,
+    answer_weight: float,
+    format_advantages: Tensor | None = None,
+) -> Tensor:
+    """Per-token PG advantages of the Outcome-Masked Update.
+
+    ``a_t = m_t * A_i`` (:func:`token_weights`: ``answer_weight`` on answer tokens, 1
+    elsewhere); with ``format_advantages`` ("format-only") answer tokens take
+    ``format_advantages[i]`` instead and the others keep ``A_i``.
+
+    Args:
+        advantages: (B, 1) or (B, T) advantages (A_i broadcast over the tokens of rollout i).
+        answer_mask: (B, T) bool or 0/1 answer-span tokens.
+        answer_weight: the OMU weight ``w``.
+        format_advantages: optional (B,) advantage for answer tokens.
+
+    Returns:
+        (B, T) advantages of ``advantages.dtype`` (not masked by the response).
+    """
+    answer = answer_mask.bool()
+    shape = answer.shape
+    if format_advantages is None:
+        return advantages * token_weights(answer, answer_weight, dtype=advantages.dtype)
+    fmt = format_advantages.to(advantages.dtype).unsqueeze(-1).expand(shape)
+    return torch.where(answer, fmt, advantages.expand(shape))
+
+
+def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probability of the given tokens and the entropy of the full distribution.
+
+    Computed in float32 (float64 logits stay float64) with ``log_softmax``. Memory: the only (B, T, V) tensor kept for
+    backward is the float32 log-softmax output (plus the float32 cast of ``logits`` transiently
+    when they are low precision). The entropy is computed under ``no_grad`` (it is a
+    diagnostic) with one extra transient (B, T, V) buffer, reused in place.
+
+    Args:
+        logits: (B, T, V) logits at the positions that predict ``tokens`` (i.e. already shifted).
+        tokens: (B, T) integer token ids.
+
+    Returns:
+        ``(logprobs, entropy)``: (B, T) ``log p(tokens)`` (differentiable w.r.t.
+        ``logits``) and (B, T) entropy ``-sum_v p_v log p_v`` (detached).
+    """
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} must be tokens {tuple(tokens.shape)} + (V,)"
+        )
+    compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp_all = torch.log_softmax(logits.to(compute_dtype), dim=-1)  # (B, T, V)
+    logprobs = logp_all.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        p = logp_all.exp()
+        # p * logp is 0 * -inf = nan where p underflows to exactly 0; those terms are 0.
+        entropy = -p.mul_(logp_all).nan_to_num_(nan=0.0).sum(dim=-1)
+    return logprobs, entropy
+
+
+# --------------------------------------------------------------------------------------------
+# GRPO / OM-GRPO loss
+# --------------------------------------------------------------------------------------------
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    ref_logprobs: Tensor | None,
+    advantages: Tensor,
+    response_mask: Tensor,
+    answer_mask: Tensor,
+    *,
+    answer_weight: float = 0.0,
+    answer_kl_weight: float | None = None,
+    format_advantages: Tensor | None = None,
+    clip: float = 0.2,
+    kl_coef: float = 0.005,
+    agg: str = "token-mean",
+    num_tokens: float | Tensor | None = None,
+    entropy: Tensor | None = None,
+    roles: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO loss with the Outcome-Masked Update (the paper's masked objective).
+
+    Per response token ``t`` of rollout ``i`` with OMU weight ``m_t`` (``answer_weight`` on
+    answer tokens, 1 elsewhere; see :func:`token_weights`):
+
+    - PG advantage ``a_t = m_t * A_i``; in the "format-only" ablation (``format_advantages``
+      given) answer tokens use ``format_advantages[i]`` instead of ``w * A_i``.
+    - clipped surrogate (PPO/GRPO, Shao et al. 2024):
+      ``rho = exp(logp - old_logp)`` (log-ratio clamped to +-20 as in verl),
+      ``pg_t = -min(rho * a_t, clamp(rho, 1 - clip, 1 + clip) * a_t)``.
+      For ``w >= 0`` scaling ``A`` by ``w`` scales the clipped surrogate by exactly ``w``.
+    - KL ``kl_t = u_t * k3_t`` (:func:`kl_k3`) with ``u_t = answer_kl_weight`` on answer tokens
+      (default: ``m_t``, the paper's masked objective; also in format-only mode). A separate
+      ``answer_kl_weight`` (e.g. 1 with ``w = 0``: mask the PG term, keep the KL anchor on the
+      answer) lets a study separate the two masked terms.
+
+    ``loss = agg(pg) + kl_coef * agg(kl)``, both aggregated over ``response_mask`` with the same
+    denominator: masking never renormalises, so changing ``w`` leaves reasoning-token gradients
+    unchanged. With ``answer_weight == 0`` and no ``format_advantages`` the gradient w.r.t.
+    answer-token log-probs is exactly zero; with ``answer_weight == 1`` this is vanilla GRPO.
+
+    Args:
+        logprobs: (B, T) log pi_theta(token), carries grad.
+        old_logprobs: (B, T) log pi_old(token) from the rollout policy.
+        ref_logprobs: (B, T) log pi_ref(token), or None (no KL term).
+        advantages: (B,) sequence advantages (e.g. :func:`group_advantages`).
+        response_mask: (B, T) bool or 0/1, valid response tokens.
+        answer_mask: (B, T) bool or 0/1, answer-span tokens (intersected with the response).
+        answer_weight: OMU weight ``w`` on answer tokens (0 = OM-GRPO, 1 = GRPO).
+        answer_kl_weight: KL weight on answer tokens; None = ``answer_weight``.
+        format_advantages: optional (B,) advantage used on answer tokens ("format-only").
+        clip: PPO clip range epsilon.
+        kl_coef: KL coefficient beta; 0 disables the KL term (``ref_logprobs`` may be None).
+        agg: aggregation mode, see :func:`agg_loss`.
+        num_tokens: optional global token count for ``"token-mean"`` (micro-batching).
+        entropy: optional (B, T) per-token entropy, for metrics only.
+        roles: optional name -> (B, T) bool masks of token roles (e.g. `result`, `format`,
+            `other`; `omgrpo.core.step.Responses.role_masks`), for `kl/<name>` and
+            `entropy/<name>` metrics only.
+
+    Returns:
+        ``(loss, metrics)``: 0-dim loss and python-float metrics ``loss/pg``, ``loss/kl``
+        (aggregated weighted k3, before ``kl_coef``), ``loss/total``, ``clip/frac``,
+        ``ratio/mean``, ``answer/frac`` (fraction of response tokens in the answer span);
+        ``kl/answer`` and ``kl/reasoning`` (mean unweighted k3) when ``ref_logprobs`` is given;
+        ``entropy/answer`` and ``entropy/reasoning`` when ``entropy`` is given. Means over an
+        empty set are reported as 0.0.
+    """
+    per_token = {
+        "old_logprobs": old_logprobs,
+        "ref_logprobs": ref_logprobs,
+        "response_mask": response_mask,
+        "answer_mask": answer_mask,
+        "entropy": entropy,
+    }
+    _check_shapes(
+        logprobs, per_token, {"advantages": advantages, "format_advantages": format_advantages}
+    )
+
+    dtype = logprobs.dtype
+    resp = response_mask.bool()
+    answer = answer_mask.bool() & resp
+    weights = token_weights(answer, answer_weight, dtype=dtype)  # (B, T)
+
+    # Per-token PG advantage.
+    adv_seq = advantages.detach().to(dtype).unsqueeze(-1)  # (B, 1)
+    fmt_seq = None if format_advantages is None else format_advantages.detach()
+    adv_tok = answer_token_advantages(adv_seq, answer, answer_weight, fmt_seq)
+
+    # Clipped surrogate.
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -adv_tok * ratio
+    pg_clipped = -adv_tok * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    pg_mat = torch.maximum(pg_unclipped, pg_clipped)  # = -min(rho * a, clip(rho) * a)
+    pg = agg_loss(pg_mat, resp, agg, num_tokens)
+
+    # Weighted k3 KL to the reference.
+    use_kl = ref_logprobs is not None and kl_coef != 0
+    k3 = None
+    if ref_logprobs is not None:
+        k3 = kl_k3(logprobs, ref_logprobs.detach())
+    if use_kl:
+        kl_weight = answer_weight if answer_kl_weight is None else answer_kl_weight
+        kl_weights = (
+            weights if kl_weight == answer_weight else token_weights(answer, kl_weight, dtype=dtype)
+        )
+        kl = agg_loss(k3 * kl_weights, resp, agg, num_tokens)
+        loss = pg + kl_coef * kl
+    else:
+        kl = torch.zeros((), dtype=dtype, device=logprobs.device)
+        loss = pg
+
+    metrics = {
+        "loss/pg": pg.item(),
+        "loss/kl": kl.item(),
+        "loss/total": loss.item(),
+        **_token_metrics(ratio, pg_clipped > pg_unclipped, k3, entropy, resp, answer, roles),
+    }
+    return loss, metrics
+
+
+def _check_shapes(
+    logprobs: Tensor,
+    per_token: dict[str, Tensor | None],
+    per_sequence: dict[str, Tensor | None],
+) -> None:
+    """Raise ValueError unless logprobs is (B, T), the given `per_token` tensors are (B, T) and
+    the given `per_sequence` ones (B,)."""
+    shape = logprobs.shape
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be (B, T), got {tuple(shape)}")
+    for name, tensor in per_token.items():
+        if tensor is not None and tensor.shape != shape:
+            raise ValueError(f"{name} {tuple(tensor.shape)} != logprobs {tuple(shape)}")
+    for name, tensor in per_sequence.items():
+        if tensor is not None and tensor.shape != shape[:1]:
+            raise ValueError(f"{name} must be (B,)={tuple(shape[:1])}, got {tuple(tensor.shape)}")
+
+
+@torch.no_grad()
+def _token_metrics(
+    ratio: Tensor,
+    clipped: Tensor,
+    k3: Tensor | None,
+    entropy: Tensor | None,
+    resp: Tensor,
+    answer: Tensor,
+    roles: dict[str, Tensor] | None,
+) -> dict[str, float]:
+    """`grpo_loss`'s per-token diagnostics (its docstring lists them); means over an empty set
+    are 0.0."""
+    dtype = ratio.dtype
+    reasoning = resp & ~answer
+    metrics = {
+        "clip/frac": masked_mean(clipped.to(dtype), resp).item(),
+        "ratio/mean": masked_mean(ratio, resp).item(),
+        "answer/frac": (answer.sum() / resp.sum().clamp(min=1)).item(),
+    }
+    ent = None if entropy is None else entropy.detach().to(dtype)
+    parts = {"answer": answer, "reasoning": reasoning, **(roles or {})}
+    for name, mask in parts.items():
+        if k3 is not None:
+            metrics[f"kl/{name}"] = masked_mean(k3, mask).item()
+        if ent is not None:
+            metrics[f"entropy/{name}"] = masked_mean(ent, mask).item()
+    return metrics

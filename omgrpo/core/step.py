@@ -1,0 +1,295 @@
+"""One training step's rollouts, scored: the typed batch both backends share.
+
+`score_step` turns generated responses into a `StepBatch` (decode, extract the last
+`\\boxed{}` answer and its token span, cluster each group's answers with CAR's pair answers as
+extra voters, rewards, GRPO advantages); `step_metrics` turns a `StepBatch` into the step's
+diagnostics (`reward/*`, `answers/*`, `acc/train`, `car/*`, `response/length_mean`). The native
+trainer scores a whole step at once; verl's agent loop scores each prompt's group as it
+finishes and its driver rebuilds the step's batch from the rollouts' records
+(`omgrpo.backends.verl.metrics`), so both compute the same numbers with the same code.
+
+Labels never enter a label-free reward: `correct` and the label-based metrics only diagnose.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import torch
+
+from omgrpo.core.answers import equivalent, extract_boxed
+from omgrpo.core.car import CarResult, top_vote_metrics
+from omgrpo.core.diagnostics import (
+    answer_diagnostics,
+    confidently_wrong,
+    guess_diagnostics,
+    label_flip_rate,
+    majority_answers,
+)
+from omgrpo.core.losses import group_advantages
+from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
+from omgrpo.core.spans import response_offsets, span_token_mask
+from omgrpo.tasks import Problem
+from omgrpo.tasks.toy import last_result_span
+
+__all__ = [
+    "LoopState",
+    "Responses",
+    "StepBatch",
+    "decode_responses",
+    "extract_answer",
+    "is_correct",
+    "score_step",
+    "step_metrics",
+]
+
+
+@dataclass
+class LoopState:
+    """What a training loop carries from step to step (checkpointed, so resume is exact).
+    verl's trainer keeps `last_majority` and `collapse` in one too."""
+
+    step: int = 0
+    """The step being run, or the last one finished (0: none yet)."""
+    skipped: int = 0
+    """Steps skipped for a non-finite loss or gradient (`train/skipped_steps`)."""
+    consecutive_skips: int = 0
+    """Skipped steps in a row (the run aborts at `trainer.max_consecutive_skips`)."""
+    last_majority: dict[str, str] = field(default_factory=dict)
+    """Prompt id -> majority answer at its last visit (`answers/label_flip_rate`)."""
+    recovery: dict[str, list[int]] = field(default_factory=dict)
+    """Validation prompts no sample solved at step 0, and those solved since (`recovery/*`)."""
+    collapse: dict[str, Any] = field(default_factory=lambda: {"streak": 0, "detected_step": None})
+    """`omgrpo.core.diagnostics.CollapseDetector.state` (the detector updates this dict)."""
+
+
+@dataclass
+class Responses:
+    """Generated tokens of B rollouts, decoded, with the token span of each final answer and
+    the tokens of the other roles the diagnostics split KL and entropy by."""
+
+    ids: torch.Tensor  # (B, T) int64 generated token ids, right-padded
+    mask: torch.Tensor  # (B, T) 1 on generated tokens (eos included)
+    answer_mask: torch.Tensor  # (B, T) bool: tokens spelling the last \boxed{} content
+    texts: list[str]  # (B,) decoded responses (special tokens dropped)
+    answers: list[str | None]  # (B,) content of the last \boxed{} (None: no answer)
+    result_mask: torch.Tensor | None = None  # (B, T) bool: the last computed line's result
+    format_mask: torch.Tensor | None = None  # (B, T) bool: the closing line (and eos), not answer
+
+    def role_masks(self) -> dict[str, torch.Tensor]:
+        """(B, T) bool masks of the non-answer roles: `result` (the value the reasoning computed
+        last, `a op b = c`), `format` (the closing line around the answer, and eos) and `other`
+        (the remaining reasoning tokens)."""
+        resp = self.mask.bool()
+        result = self.result_mask & resp
+        fmt = self.format_mask & resp & ~result & ~self.answer_mask
+        return {"result": result, "format": fmt, "other": resp & ~self.answer_mask & ~result & ~fmt}
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts, scored: P prompts with G rollouts each (B = P * G rows, in group
+    order: the rows of group g are contiguous, and group g answers `prompts[g]`).
+
+    Built by `score_step`. verl's driver builds it from the rollouts' records, without the
+    token-level fields (`responses`, advantages): verl keeps those in its own batch.
+    """
+
+    prompts: list[Problem]  # (P,) one per group; CoReward: P/2 questions, then paraphrases
+    group_ids: torch.Tensor  # (B,) int64 group of each rollout, 0..P-1, non-decreasing
+    responses: Responses | None  # (B, T) tokens, masks and texts; None in verl's driver
+    answers: list[str | None]  # (B,) z_i, the extracted answers
+    correct: list[bool | None]  # (B,) z_i equivalent to the label (None: unlabelled); diagnostic
+    groups: list[RewardGroup]  # (P,) each group's answer classes (+ CAR pool), as rewarded
+    reward_parts: dict[str, np.ndarray]  # part -> (B,) float64, each reward part
+    rewards: np.ndarray  # (B,) float64 weighted sum of the parts
+    advantages: torch.Tensor | None  # (B,) float32 GRPO advantage A_i; None in verl's driver
+    format_advantages: torch.Tensor | None = None  # (B,) format-only: answer tokens' advantage
+    car: CarResult | None = None  # CAR's pair answers per group (extra voters, never trained)
+
+    def per_group(self, values: list) -> list[list]:
+        """(B,) values as P lists, one per group."""
+        sizes = torch.bincount(self.group_ids, minlength=len(self.prompts)).tolist()
+        bounds = np.cumsum([0, *sizes]).tolist()
+        return [values[a:b] for a, b in pairwise(bounds)]
+
+    def per_rollout(self, values: list) -> list:
+        """(P,) per-prompt values repeated for each rollout: (B,)."""
+        return [values[g] for g in self.group_ids.tolist()]
+
+
+def extract_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{}` of a response (None: none, or malformed)."""
+    boxed = extract_boxed(text)
+    return boxed.content if boxed is not None else None
+
+
+def is_correct(answer: str | None, label: str | None) -> bool | None:
+    """Whether an answer is equivalent to the label; None without a label (diagnostics only)."""
+    if label is None:
+        return None
+    return answer is not None and equivalent(answer, label)
+
+
+def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> Responses:
+    """Decode each response, extract its boxed answer and mark the tokens of each role."""
+    rows = [ids[i, : int(n)].tolist() for i, n in enumerate(mask.sum(-1).tolist())]
+    texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
+    encoded = tokenizer(texts, return_offsets_mapping=True, add_special_tokens=False)
+    char_offsets = np.zeros((*ids.shape, 2), dtype=np.int64)  # (B, T, 2), filled row by row
+    special = frozenset(tokenizer.all_special_ids)
+    no_span = (0, 0)  # (start, end) of a missing span: overlaps no token
+    answer_span, result_span, closing = [], [], []  # (B, 2), (B, 2), (B,)
+    answers = []
+    for i, (row, text) in enumerate(zip(rows, texts)):
+        row_encoding = {k: encoded[k][i] for k in ("input_ids", "offset_mapping")}
+        if row:
+            char_offsets[i, : len(row)] = response_offsets(
+                tokenizer, row, text, encoding=row_encoding, special=special
+            )
+        boxed = extract_boxed(text)
+        answer_span.append(no_span if boxed is None else boxed.span)
+        result_span.append(last_result_span(text) or no_span)
+        # the closing line, to the end (eos has an empty offset there); none without a box
+        closing.append(len(text) + 1 if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1)
+        answers.append(boxed.content if boxed is not None else None)
+    offsets = torch.from_numpy(char_offsets)
+    real = torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
+    return Responses(
+        ids=ids,
+        mask=mask,
+        answer_mask=span_token_mask(offsets, torch.tensor(answer_span)),
+        texts=texts,
+        answers=answers,
+        result_mask=span_token_mask(offsets, torch.tensor(result_span)),
+        format_mask=real & (offsets[..., 0] >= torch.tensor(closing)[:, None]),
+    )
+
+
+def score_step(
+    tokenizer: Any,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    problems: list[Problem],
+    cfg: Any,
+    *,
+    car: CarResult | None = None,
+    stats: dict[str, torch.Tensor] | None = None,
+) -> StepBatch:
+    """Score a step's rollouts (rollouts of a prompt contiguous, G = B / len(problems)).
+
+    Args:
+        tokenizer: the policy's HF fast tokenizer (offsets map answers to tokens).
+        response_ids, response_mask: (B, T) generated ids, right-padded, and their mask.
+        problems: the P prompts; labels only reach the `gt` reward and `correct`. With the
+            `coreward` reward, the second half are the first half's paraphrases.
+        cfg: anything with `reward` (`RewardConfig`) and `algorithm` (`AlgorithmConfig`): the
+            native config or verl's `omgrpo` section.
+        car: CAR's pair answers per prompt; they join the soft-vote pool.
+        stats: the policy's per-token `entropy` and `self_certainty` (B, T), for the rewards
+            that read them.
+    """
+    responses = decode_responses(tokenizer, response_ids, response_mask)
+    answers = responses.answers
+    G = len(answers) // len(problems)
+    groups = _reward_groups(
+        problems, responses, G, len(tokenizer), stats, car, "coreward" in cfg.reward.parts
+    )
+    rewards, parts = compute_rewards(groups, list(cfg.reward.parts), dict(cfg.reward.weights))
+    group_ids = torch.arange(len(problems)).repeat_interleave(G)
+    eps = cfg.algorithm.adv_eps
+    advantages = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids, eps)
+    format_adv = None
+    if cfg.algorithm.format_only:  # answer tokens get the format reward's advantage
+        fmt = torch.tensor([format_score(a) for a in answers])
+        format_adv = group_advantages(fmt, group_ids, eps)
+    return StepBatch(
+        prompts=list(problems),
+        group_ids=group_ids,
+        responses=responses,
+        answers=answers,
+        correct=[is_correct(a, problems[g].answer) for a, g in zip(answers, group_ids.tolist())],
+        groups=groups,
+        reward_parts=parts,
+        rewards=rewards,
+        advantages=advantages,
+        format_advantages=format_adv,
+        car=car,
+    )
+
+
+def _reward_groups(problems, responses, G, vocab, stats, car, coreward) -> list[RewardGroup]:
+    """One RewardGroup per prompt (CoReward pairs prompt g with its paraphrase g +- P/2; CAR's
+    pair answers, when given, join group g's soft-vote pool)."""
+    per_prompt = [responses.answers[g * G : (g + 1) * G] for g in range(len(problems))]
+    certainty = entropy = None
+    if stats is not None:
+        valid = responses.mask.float()
+        certainty = (
+            (stats["self_certainty"] * valid).sum(-1) / valid.sum(-1).clamp(min=1)
+        ).tolist()
+        am = responses.answer_mask.float()
+        ent = (stats["entropy"] * am).sum(-1) / am.sum(-1).clamp(min=1)
+        entropy = [float(e) if am[i].any() else None for i, e in enumerate(ent)]
+    half = len(problems) // 2
+    groups = []
+    for g, problem in enumerate(problems):
+        partner = None
+        if coreward:
+            partner = per_prompt[g + half] if g < half else per_prompt[g - half]
+        sl = slice(g * G, (g + 1) * G)
+        groups.append(
+            make_group(
+                per_prompt[g],
+                label=problem.answer,
+                partner=partner,
+                pool=car.answers[g] if car is not None else None,
+                self_certainty=certainty[sl] if certainty else None,
+                answer_entropy=entropy[sl] if entropy else None,
+                max_entropy=math.log(vocab),
+            )
+        )
+    return groups
+
+
+def step_metrics(
+    batch: StepBatch, state: LoopState, confident_share: float, peak: str | None = None
+) -> dict[str, Any]:
+    """Every diagnostic of one scored step (`state.last_majority` is updated in place).
+
+    `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
+    `acc/train`, with CAR the `car/*` diagnostics and the pool's `answers/top_vote_acc`, and,
+    where the batch holds tokens, `response/length_mean`; for toy problems (they carry a
+    difficulty) the answer-reasoning consistency and guess rates of `guess_diagnostics`, with
+    the share of `peak` (the world's guess-prior peak). `confident_share` is
+    `collapse.confident_share`.
+    """
+    correct = batch.per_group(batch.correct)
+    metrics: dict[str, Any] = {
+        "reward/total": float(np.mean(batch.rewards)),
+        **{f"reward/{k}": float(np.mean(v)) for k, v in batch.reward_parts.items()},
+        **answer_diagnostics(batch.groups, correct),
+        "answers/confidently_wrong": confidently_wrong(batch.groups, correct, confident_share),
+        "answers/label_flip_rate": label_flip_rate(
+            [p.id for p in batch.prompts], majority_answers(batch.groups), state.last_majority
+        ),
+    }
+    if batch.car is not None:
+        answers = batch.per_group(batch.answers)
+        metrics.update(batch.car.diagnostics(answers, correct))
+        labels = [p.answer for p in batch.prompts]
+        metrics.update(top_vote_metrics(answers, batch.car.answers, labels))
+    if batch.responses is not None:
+        lengths = batch.responses.mask.sum(-1).float()
+        metrics["response/length_mean"] = float(lengths.mean())
+        difficulties = [p.meta.get("difficulty") for p in batch.per_rollout(batch.prompts)]
+        if all(difficulties):
+            metrics.update(
+                guess_diagnostics(batch.responses.texts, batch.answers, difficulties, peak)
+            )
+    return metrics

@@ -1,0 +1,222 @@
+"""The local run store: `runs/<name>/`, the source of truth that trackers and analysis read.
+
+config.yaml            resolved config of the run
+metrics.jsonl          one JSON object per step (`train/step` plus every metric)
+rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, advantage, ...)
+checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
+status.json            running / finished / failed / killed, last step, and why it stopped
+trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+_ATTEMPT: ContextVar[str | None] = ContextVar("omgrpo_run_attempt", default=None)
+
+
+class RunStore:
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.rollouts_dir = self.dir / "rollouts"
+        self.checkpoints_dir = self.dir / "checkpoints"
+
+    # -- config ---------------------------------------------------------------------------
+    def write_config(self, config: dict[str, Any]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def read_config(self) -> dict[str, Any]:
+        path = self.dir / "config.yaml"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: is {self.dir} a run directory?")
+        return yaml.safe_load(path.read_text())
+
+    def has_progress(self) -> bool:
+        return self.metrics_path.exists() or self.checkpoints_dir.exists()
+
+    # -- metrics --------------------------------------------------------------------------
+    def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"train/step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    def read_metrics(self) -> pd.DataFrame:
+        """All metric rows as a DataFrame indexed by nothing, one row per step."""
+        return pd.DataFrame([{"train/step": step, **row} for step, row in self.metric_rows()])
+
+    def metric_rows(self, up_to: int | None = None) -> list[tuple[int, dict[str, Any]]]:
+        """(step, metrics) per line of metrics.jsonl, as written (a row keeps only the metrics
+        it has), steps <= `up_to` if given. A half-written last line (a run killed mid-write)
+        is skipped; any other invalid line raises, naming the file and line."""
+        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        rows = []
+        for lineno, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                if lineno != len(lines) - 1:
+                    raise ValueError(f"{self.metrics_path}, line {lineno + 1}: invalid JSON") from e
+                continue
+            step = int(row.pop("train/step", lineno))
+            if up_to is None or step <= up_to:
+                rows.append((step, row))
+        return rows
+
+    def truncate_metrics(self, last_step: int) -> None:
+        """Drop rows after `last_step` (a resumed run recomputes them)."""
+        if not self.metrics_path.exists():
+            return
+        keep = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("train/step", 0) <= last_step:
+                keep.append(line)
+        tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(self.metrics_path)  # a kill while rewriting keeps the old file
+        for path in self.rollouts_dir.glob("step_*.parquet"):
+            if int(path.stem.split("_")[1]) > last_step:
+                path.unlink()
+
+    # -- rollouts -------------------------------------------------------------------------
+    def log_rollouts(self, step: int, table: pd.DataFrame) -> Path:
+        self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+        path = self.rollouts_dir / f"step_{step:06d}.parquet"
+        table.to_parquet(path, index=False)
+        return path
+
+    def read_rollouts(self) -> pd.DataFrame:
+        files = [path for _, path in self.rollout_files()]
+        return (
+            pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+            if files
+            else (pd.DataFrame())
+        )
+
+    def rollout_files(self, up_to: int | None = None) -> list[tuple[int, Path]]:
+        """(step, parquet file) of the rollout tables, by step (steps <= `up_to` if given)."""
+        files = sorted(self.rollouts_dir.glob("step_*.parquet"))
+        steps = [(int(f.stem.split("_")[1]), f) for f in files]
+        return [(s, f) for s, f in steps if up_to is None or s <= up_to]
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step_{step:06d}"
+
+    def complete_checkpoints(self) -> list[Path]:
+        """Checkpoint folders whose writing finished, newest first (their files may still be
+        damaged: `omgrpo.backends.native.checkpoint.load_latest_intact_checkpoint` verifies them)."""
+        done = [p for p in self.checkpoints_dir.glob("step_*") if (p / "COMPLETE").exists()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+
+    def latest_checkpoint(self) -> Path | None:
+        done = self.complete_checkpoints()
+        return done[0] if done else None
+
+    def checkpoints_by_step(self) -> dict[int, Path]:
+        """Step -> folder of every completely written checkpoint, oldest first."""
+        return {int(p.name.split("_")[1]): p for p in reversed(self.complete_checkpoints())}
+
+    def best_checkpoint(self, metric: str) -> tuple[int, float, dict[int, float]] | None:
+        """The complete checkpoint whose step logged the highest `metric` (ties: the later
+        step): (step, value, every candidate step -> value), or None if none logged it."""
+        df = self.read_metrics()
+        if metric not in df.columns:
+            return None
+        values = pd.to_numeric(df.set_index("train/step")[metric], errors="coerce").dropna()
+        candidates = {s: float(values[s]) for s in self.checkpoints_by_step() if s in values}
+        if not candidates:
+            return None
+        step = max(candidates, key=lambda s: (candidates[s], s))
+        return step, candidates[step], candidates
+
+    def prune_checkpoints(self, keep: int, keep_best: str | None = None) -> None:
+        """Keep the newest `keep` checkpoints, and with `keep_best` also the best one by that
+        metric (so `omgrpo eval --checkpoint best` finds it after later ones are written)."""
+        done = sorted(self.checkpoints_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        best = self.best_checkpoint(keep_best) if keep_best else None
+        protect = self.checkpoint_dir(best[0]) if best else None
+        for path in done[: max(0, len(done) - keep)]:
+            if path != protect:
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- status ---------------------------------------------------------------------------
+    def write_status(self, **status: Any) -> None:
+        """Replace status.json (atomically: a kill never leaves half a file). Inside
+        `recording_failures` the attempt's id goes in as `attempt`, so a failure is recorded
+        only for a run this attempt started."""
+        if (attempt := _ATTEMPT.get()) is not None:
+            status["attempt"] = attempt
+        _write_json_atomic(self.dir / "status.json", status)
+
+    def read_status(self) -> dict[str, Any]:
+        path = self.dir / "status.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    @contextlib.contextmanager
+    def recording_failures(self) -> Iterator[RunStore]:
+        """Mark the run `failed` (an exception: its type, message and the last lines of its
+        traceback) or `killed` (Ctrl-C) when the body raises after this process set the run
+        `running`; re-raise. A refusal before the run started (e.g. a config change on
+        resume) leaves the status of the run on disk alone."""
+        attempt = uuid.uuid4().hex
+        token = _ATTEMPT.set(attempt)
+        try:
+            yield self
+        except BaseException as e:
+            status = self.read_status()
+            ours = status.get("attempt") == attempt and "error" not in status
+            if ours and status.get("state") in ("running", "failed"):
+                killed = isinstance(e, KeyboardInterrupt | SystemExit)
+                status["state"] = "killed" if killed else "failed"
+                status["error"] = {
+                    "type": type(e).__name__,
+                    "message": str(e),
+                    "step": status.get("step"),  # the last step that completed
+                    "traceback": traceback.format_exception(e)[-3:],
+                }
+                self.write_status(**status)
+            raise
+        finally:
+            _ATTEMPT.reset(token)
+
+    # -- tracker ids ----------------------------------------------------------------------
+    def tracker_ids(self) -> dict[str, str]:
+        path = self.dir / "trackers.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    def set_tracker_id(self, backend: str, run_id: str) -> None:
+        _write_json_atomic(self.dir / "trackers.json", {**self.tracker_ids(), backend: run_id})
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def _plain(value: Any) -> Any:
+    """Tensors / numpy scalars to Python (non-finite floats are written as NaN / Infinity)."""
+    return value.item() if hasattr(value, "item") else value

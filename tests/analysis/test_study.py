@@ -1,0 +1,249 @@
+"""Pre-registered predictions marked from runs (omgrpo.analysis.study), on hand-built runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from omgrpo.analysis.study import evaluate, prediction_texts, read_preregistration
+
+PREREG = Path(__file__).resolve().parents[2] / "reports/collapse-study/PREREGISTRATION.md"
+SPEC = {"start_step": 0, "final_steps": [20, 30], "train_window": 2}
+
+
+def _run(experiment, method, seed, acc, kl=None):
+    """A run whose val/acc is acc[0] at step 0, acc[1] at 20 and acc[2] at 30."""
+    rows = []
+    for step in range(31):
+        row = {
+            "run": f"{experiment}__{method}__s{seed}",
+            "experiment": experiment,
+            "method": method,
+            "seed": seed,
+            "step": step,
+        }
+        if step in (0, 20, 30):
+            row["val/acc"] = acc[(0, 20, 30).index(step)]
+        if kl is not None and step > 0:
+            row["kl/answer"] = kl * step
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _pred(**kw):
+    return {"id": "P", "world": "w", **kw}
+
+
+def test_change_over_seeds_with_a_t_interval():
+    df = pd.concat(
+        [_run("w", "gt", s, [0.5, 0.55 + d, 0.55 + d]) for s, d in enumerate([0.0, 0.02, 0.04])]
+    )
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [_pred(measure="change", metric="val/acc", a="gt", expect=[">", 0.03])],
+        },
+    )
+    assert v.values == {"w/s0": 0.05, "w/s1": 0.07, "w/s2": 0.09}
+    # mean 0.07, sd 0.02, t(2) = 4.303: half-width 0.0497
+    assert v.mean == pytest.approx(0.07)
+    assert v.ci95 == pytest.approx((0.07 - 0.0497, 0.07 + 0.0497), abs=1e-4)
+    assert v.verdict == "inconclusive"  # 0.0203 < 0.03
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [_pred(measure="change", metric="val/acc", a="gt", expect=[">", 0.0])],
+        },
+    )
+    assert v.verdict == "confirmed"
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [_pred(measure="change", metric="val/acc", a="gt", expect=["<", 0.0])],
+        },
+    )
+    assert v.verdict == "refuted"
+
+
+def test_paired_diff_includes_further_bases_and_abs_threshold():
+    df = pd.concat(
+        [
+            _run("w", "a", 0, [0.5, 0.6, 0.6]),
+            _run("w", "b", 0, [0.5, 0.59, 0.59]),
+            _run("w_base1", "a", 0, [0.4, 0.5, 0.5]),
+            _run("w_base1", "b", 0, [0.4, 0.51, 0.51]),
+            _run("other", "a", 0, [0.0, 1.0, 1.0]),  # another world: never a unit of w
+        ]
+    )
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [
+                _pred(measure="diff", metric="val/acc", a="a", b="b", expect=["abs<", 0.03])
+            ],
+        },
+    )
+    assert v.values == {"w/s0": pytest.approx(0.01), "w_base1/s0": pytest.approx(-0.01)}
+    # mean 0, sd 0.01414, t(1) = 12.71: half-width 0.127 -> not within +-0.03, not outside
+    assert v.verdict == "inconclusive"
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [
+                _pred(
+                    measure="diff", metric="val/acc", a="a", b="b", seeds=[0], expect=["abs<", 0.03]
+                )
+            ],
+        },
+    )
+    assert list(v.values) == ["w/s0"] and v.verdict == "confirmed, 1 seed, no CI"
+
+
+def test_training_metric_window_spearman_and_missing_runs():
+    df = pd.concat([_run("w", m, 0, [0.5, 0.5, 0.5], kl=k) for m, k in (("w0", 1.0), ("w1", 2.0))])
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [
+                _pred(measure="diff", metric="kl/answer", a="w0", b="w1", expect=["<", 0.0])
+            ],
+        },
+    )
+    # window: steps 29 and 30 -> means 29.5 vs 59
+    assert v.values["w/s0"] == pytest.approx(29.5 - 59.0)
+    df2 = pd.concat(
+        [
+            _run("w", f"m{i}", 0, [0.5, 0.5 + c, 0.5 + c])
+            for i, c in enumerate([0.0, 0.1, 0.05, 0.2])
+        ]
+    )
+    (v,) = evaluate(
+        df2,
+        {
+            **SPEC,
+            "predictions": [
+                _pred(
+                    measure="spearman",
+                    metric="val/acc",
+                    methods=["m0", "m1", "m2", "m3"],
+                    x=[0, 1, 2, 3],
+                    expect=[">", 0.5],
+                )
+            ],
+        },
+    )
+    assert v.values["w/s0"] == pytest.approx(0.8)  # ranks 1, 3, 2, 4
+    (v,) = evaluate(
+        df,
+        {
+            **SPEC,
+            "predictions": [
+                _pred(measure="change", metric="val/acc", a="absent", expect=[">", 0.0])
+            ],
+        },
+    )
+    assert v.verdict == "not run" and math.isnan(v.values["w/s0"])
+    unfinished = _run("w", "gt", 0, [0.5, 0.6, 0.6])
+    unfinished = unfinished[unfinished["step"] < 25]  # has not reached its last validation
+    (v,) = evaluate(
+        unfinished,
+        {
+            **SPEC,
+            "predictions": [_pred(measure="change", metric="val/acc", a="gt", expect=[">", 0.0])],
+        },
+    )
+    assert v.verdict == "not run"
+
+
+def test_the_committed_preregistration_parses():
+    spec = read_preregistration(PREREG)
+    ids = [p["id"] for p in spec["predictions"]]
+    assert ids == [f"P{i}" for i in range(len(ids))]
+    assert set(prediction_texts(PREREG)) == set(ids)
+    assert spec["stop_unless_confirmed"] == "P0"
+
+
+def test_a_malformed_prediction_is_named(tmp_path):
+    bad = tmp_path / "p.md"
+    bad.write_text(
+        "```yaml\nstart_step: 0\nfinal_steps: [1]\npredictions:\n  - {id: Q1, world: w, measure: change, metric: m, expect: ['>=', 0]}\n```\n"
+    )
+    with pytest.raises(ValueError, match="Q1: expect"):
+        read_preregistration(bad)
+
+
+def test_study_report_cli_on_fixture_runs(tmp_path, capsys):
+    from omgrpo.cli import main
+
+    runs = Path(__file__).resolve().parents[1] / "fixtures" / "runs"
+    prereg = tmp_path / "PREREGISTRATION.md"
+    prereg.write_text(
+        "| P0 | toy | GT-free runs: OM-GRPO ends above MV |\n\n```yaml\nversion: 1\n"
+        "date: 2026-11-23\nstart_step: 0\nfinal_steps: [8]\nstop_unless_confirmed: P0\n"
+        "predictions:\n  - {id: P0, world: toy, measure: diff, metric: val/acc, a: om_grpo, "
+        "b: mv, expect: ['>', 0.0]}\n```\n"
+    )
+    out = tmp_path / "report"
+    assert (
+        main(
+            [
+                "study-report",
+                str(runs),
+                "--prereg",
+                str(prereg),
+                "--out",
+                str(out),
+                "--command",
+                "make study",
+                "--seconds",
+                "90",
+            ]
+        )
+        == 0
+    )
+    text = (out / "report.md").read_text()
+    assert "OM-GRPO ends above MV" in text and "`make study`" in text and "1.5 min" in text
+    summary = __import__("json").loads((out / "summary.json").read_text())
+    (v,) = summary["verdicts"]
+    assert set(v["values"]) == {"toy/s0", "toy/s1"}
+    assert (out / "figures" / "toy__training_dynamics.png").stat().st_size > 0
+    assert not (out / "figures" / "toy__collapse_route.png").exists()  # no difficulty metrics
+    assert (
+        main(["study-report", str(runs), "--prereg", str(tmp_path / "none.md"), "--out", str(out)])
+        == 2
+    )
+
+
+def test_reports_print_the_bases_checks(tmp_path):
+    """`omgrpo report` and the study report show the stored checks of the base a run used."""
+    import json
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    from omgrpo.analysis.report import base_checks, write_report
+    from omgrpo.config import Config
+    from omgrpo.models.toy import toy_base_key
+
+    run = tmp_path / "runs" / "toy__mv__s0"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "runs" / "toy__mv__s0", run)
+    cfg = OmegaConf.load(run / "config.yaml")
+    cfg.model.cache_dir = str(tmp_path / "cache")
+    OmegaConf.save(cfg, run / "config.yaml")
+    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    base = tmp_path / "cache" / f"toy-base-{toy_base_key(merged.model, merged.task)}"
+    base.mkdir(parents=True)
+    checks = {"passed": True, "checks": [], "by_difficulty": [], "answer_entropy": None}
+    (base / "checks.json").write_text(json.dumps(checks))
+    assert list(base_checks([run]).values()) == [checks]
+    text = write_report([run], tmp_path / "report").read_text()
+    assert "## Base checks" in text and "base checks: PASSED" in text

@@ -1,0 +1,200 @@
+"""The native trainer end to end on a tiny toy config: resume, bad input, NaN handling."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from omgrpo.backends.native import trainer as trainer_module
+from omgrpo.backends.native.trainer import train
+from omgrpo.config import compose
+from omgrpo.tracking.store import RunStore
+
+pytestmark = pytest.mark.slow
+
+VOLATILE = ("time/", "mem/", "perf/")
+
+
+def _metrics(run_dir):
+    df = RunStore(run_dir).read_metrics()
+    return df[[c for c in df.columns if not c.startswith(VOLATILE)]]
+
+
+def test_resume_continues_a_killed_run_exactly(tiny_overrides):
+    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=2"]
+    full = train(compose([*common, "run.name=full"]))
+    killed = train(compose([*common, "run.name=killed"]), stop_after=3)  # dies after step 3
+    assert RunStore(killed).latest_checkpoint().name == "step_000002"
+    resumed = train(compose([*common, "run.name=killed", "run.resume=true"]))
+    assert resumed == killed
+    a, b = _metrics(full), _metrics(resumed)
+    assert list(a["train/step"]) == [0, 1, 2, 3, 4]
+    pd.testing.assert_frame_equal(a, b)
+    assert RunStore(resumed).read_status()["state"] == "finished"
+
+
+def test_resume_refuses_a_checkpoint_from_another_config(tiny_overrides):
+    common = [*tiny_overrides, "trainer.steps=2", "run.name=x"]
+    train(compose(common))
+    with pytest.raises(ValueError, match=r"algorithm.kl_coef: 0.005 -> 0.1"):
+        train(compose([*common, "run.resume=true", "algorithm.kl_coef=0.1"]))
+
+
+def test_refuses_to_overwrite_a_run_without_resume(tiny_overrides):
+    cfg = compose([*tiny_overrides, "trainer.steps=1", "run.name=y"])
+    train(cfg)
+    with pytest.raises(FileExistsError, match=r"run\.resume=true"):
+        train(cfg)
+
+
+def test_unknown_reward_is_rejected_before_any_work(tiny_overrides):
+    with pytest.raises(ValueError, match="unknown reward 'votes'; valid rewards: coreward"):
+        train(compose([*tiny_overrides, "reward.parts=[votes]"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.agg=mean", "unknown algorithm.agg 'mean'; valid: token-mean"),
+        ("task.name=gsm", "unknown task 'gsm'; valid tasks: files, toy"),
+        ("rollout.n=1", "rollout.n must be >= 2"),
+        ("algorithm.answer_weight=-1", "answer_weight must be >= 0"),
+    ],
+)
+def test_bad_config_values_fail_fast(tiny_overrides, override, message):
+    with pytest.raises(ValueError, match=message):
+        train(compose([*tiny_overrides, override]))
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    from hydra.errors import MissingConfigException
+
+    with pytest.raises(MissingConfigException, match=r"(?s)Available options in 'method'.*om_grpo"):
+        compose(["method=nope"])
+
+
+def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, monkeypatch):
+    real = trainer_module.grpo_loss
+    calls = {"n": 0}
+
+    def nan_on_first_call(*args, **kwargs):
+        calls["n"] += 1
+        loss, metrics = real(*args, **kwargs)
+        return (loss * float("nan") if calls["n"] == 1 else loss), metrics
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", nan_on_first_call)
+    run = train(compose([*tiny_overrides, "trainer.steps=3", "run.name=one-nan"]))
+    df = RunStore(run).read_metrics()
+    assert list(df["train/skipped_steps"].dropna()) == [1, 1, 1]
+
+    def always_nan(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(trainer_module, "grpo_loss", always_nan)
+    with pytest.raises(FloatingPointError, match="NaN/inf for 3 steps in a row"):
+        train(compose([*tiny_overrides, "trainer.steps=5", "run.name=all-nan"]))
+
+
+def test_untrained_model_garbage_never_crashes(tiny_overrides):
+    # No warm start: responses are random characters, mostly without a boxed answer.
+    run = train(
+        compose([*tiny_overrides, "model.warm_start.steps=0", "trainer.steps=2", "run.name=z"])
+    )
+    df = RunStore(run).read_metrics()
+    assert df["answers/extract_rate"].dropna().max() < 0.5
+    rollouts = RunStore(run).read_rollouts()
+    assert rollouts.loc[rollouts["answer"].isna(), "reward_format"].eq(0).all()
+
+
+@pytest.mark.parametrize("method", ["gt", "mv", "self_certainty", "entropy", "coreward"])
+def test_every_baseline_method_trains(tiny_overrides, method):
+    run = train(compose([*tiny_overrides, f"method={method}", "trainer.steps=1"]))
+    row = RunStore(run).read_metrics().iloc[-1]
+    part = {"mv": "majority_vote"}.get(method, method)
+    assert f"reward/{part}" in row and pd.notna(row[f"reward/{part}"])
+    assert run.name == f"toy__{method}__s0"
+
+
+def test_test_time_training_trains_on_the_evaluation_split(tiny_overrides):
+    run = train(compose([*tiny_overrides, "task.ttt=true", "trainer.steps=1", "run.name=ttt"]))
+    rollouts = RunStore(run).read_rollouts()
+    assert rollouts["prompt_id"].str.startswith("test-").all()
+
+
+def test_rollouts_table_has_the_documented_columns(tiny_overrides):
+    run = train(compose([*tiny_overrides, "trainer.steps=1", "run.name=cols"]))
+    cols = set(RunStore(run).read_rollouts().columns)
+    expected = {"step", "prompt_id", "text", "answer", "label", "correct", "reward", "advantage"}
+    assert expected | {"reward_soft_vote", "reward_format"} <= cols
+
+
+def test_cli_train_end_to_end(tiny_overrides, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "omgrpo", "train", *tiny_overrides, "trainer.steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "toy__om_grpo__s0"
+    assert "run finished" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/step"] for r in rows] == [0, 1, 2]
+    assert {"reward/soft_vote", "reward/format", "kl/answer", "time/gen"} <= set(rows[1])
+    assert (run_dir / "config.yaml").exists()
+    assert (run_dir / "checkpoints" / "step_000002" / "COMPLETE").exists()
+    state = torch.load(run_dir / "checkpoints/step_000002/state.pt", weights_only=False)
+    assert state["config"]["algorithm"]["answer_weight"] == 0.0
+
+
+def test_collapse_detector_ends_the_run_cleanly(tiny_overrides):
+    # thresholds any batch meets: detection at step 2 (patience 2), then a clean stop
+    run = train(
+        compose(
+            [
+                *tiny_overrides,
+                "trainer.steps=5",
+                "run.name=col",
+                "collapse.max_unique_per_prompt=100",
+                "collapse.min_mode_share=0",
+                "collapse.patience=2",
+                "collapse.stop=true",
+            ]
+        )
+    )
+    df = RunStore(run).read_metrics()
+    assert list(df["train/step"]) == [0, 1, 2]
+    assert df["collapse/detected_step"].dropna().tolist() == [2]
+    assert RunStore(run).read_status()["state"] == "collapsed"
+    assert {
+        "answers/confidently_wrong",
+        "answers/label_flip_rate",
+        "answers/grading_timeouts",
+        "recovery/zero_pass_prompts",
+    } <= set(df.columns)
+    assert df["answers/grading_timeouts"].dropna().eq(0).all()  # integer answers: exact path
+
+
+def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):
+    run = train(
+        compose(
+            [
+                *tiny_overrides,
+                "car.enable=true",
+                "car.max_new_tokens=4",
+                "trainer.steps=1",
+                "run.name=car",
+            ]
+        )
+    )
+    row = RunStore(run).read_metrics().iloc[-1]
+    G, prompts = 4, 2
+    assert row["car/num_pairs"] == prompts * G * (G - 1)
+    assert G <= row["car/pool_size"] <= G + G * (G - 1)
+    assert {"time/car", "car/position_bias", "car/top_vote_acc_without_car"} <= set(row.index)
+    rollouts = RunStore(run).read_rollouts()
+    assert len(rollouts) == prompts * G  # pair answers are validators, never trained on

@@ -1,0 +1,174 @@
+"""The generation engine: the lean Llama-family decoder against the HF forward it replaces, and
+the prefix tree's scoring layout against the plain forward."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_car import _toy  # a random toy Qwen3 with an untied random output layer
+
+from omgrpo.generation import engine
+from omgrpo.generation.engine import (
+    _HFKV,
+    _LeanKV,
+    decode,
+    lean_decoding_supported,
+    prefix_tree_forward,
+    shared_prompt_logits,
+)
+
+SYSTEM = "<|im_start|>system\nThink step by step.<|im_end|>\n"
+QUESTIONS = ["Evaluate left to right: 7+5", "Hi", "Evaluate: 12*3-4+1"]
+
+
+def _model(num_heads=4, num_kv_heads=2):
+    return _toy(2, seed=0, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
+
+def _prompts(tok):
+    return [tok(SYSTEM + q, add_special_tokens=False)["input_ids"] for q in QUESTIONS]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "group"), [(4, 2, 3), (2, 2, 1), (4, 1, 2)])
+def test_lean_decoder_gives_the_hf_forwards_logits_at_every_step(heads, kv_heads, group):
+    model, tok = _model(heads, kv_heads)
+    assert lean_decoding_supported(model)
+    prompts = _prompts(tok)
+    feed = torch.randint(4, len(tok), (len(prompts) * group, 6), generator=torch.Generator())
+    with torch.no_grad():
+        logits = []
+        for backend in (_LeanKV, _HFKV):
+            _, cache, mask, pos = prefix_tree_forward(model, prompts, [[0] * 3], tok.pad_token_id)
+            kv = backend(model, cache, mask, pos, group, feed.shape[1])
+            logits.append(torch.stack([kv.step(feed[:, s]) for s in range(feed.shape[1])], 1))
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def _greedy(model, tok, prompts, group, max_new_tokens, stop):
+    """Greedy decoding of `group` rows per prompt on top of a one-level prefill."""
+    with torch.no_grad():
+        logits, cache, mask, pos = prefix_tree_forward(
+            model, prompts, [[0] * len(prompts)], tok.pad_token_id
+        )
+        return decode(
+            model,
+            logits[:, -1],
+            cache,
+            mask,
+            pos,
+            group=group,
+            max_new_tokens=max_new_tokens,
+            temperature=0.0,
+            top_p=1.0,
+            stop=stop,
+            pad_id=tok.pad_token_id,
+        )
+
+
+def test_lean_and_hf_decoding_give_the_same_greedy_tokens(monkeypatch):
+    model, tok = _model()
+    prompts = _prompts(tok)
+    outputs = []
+    for lean in (True, False):
+        monkeypatch.setattr(engine, "lean_decoding_supported", lambda m, lean=lean: lean)
+        seven = tok.convert_tokens_to_ids("7")
+        outputs.append(
+            _greedy(model, tok, prompts, 2, 12, stop=lambda rows, toks, s=seven: toks == s)
+        )
+    (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
+    assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
+    assert len(set(lean_len.tolist())) > 1  # some rows stopped early, others ran on
+    for row, n in zip(lean_tokens, lean_len):
+        assert (row[n:] == tok.pad_token_id).all()
+
+
+def _shared_prompt_tree(model, prompts, tail_ids, tail_mask):
+    levels = [[0] * len(prompts), [tuple(p) for p in prompts]]
+    logits, *_ = prefix_tree_forward(model, prompts, levels, 0, (tail_ids, tail_mask), 4)
+    return logits[:, :-1]
+
+
+def _shared_prompt_lean(model, prompts, tail_ids, tail_mask):
+    return shared_prompt_logits(model, prompts, tail_ids, tail_mask, 0, chunks=3)
+
+
+@pytest.mark.parametrize("scorer", [_shared_prompt_tree, _shared_prompt_lean])
+def test_prompt_shared_scoring_equals_the_plain_forward_with_gradients(scorer):
+    model, tok = _model()
+    p = _prompts(tok)
+    # rows out of order, groups of 3, 2 and 1, prompts and responses of different lengths
+    prompts = [p[0], p[1], p[0], p[2], p[0], p[1]]
+    tails = [[5, 6, 7], [8], [9, 10], [11, 12, 13], [14], [15, 16]]
+    tail_ids = torch.zeros(6, 3, dtype=torch.long)
+    tail_mask = torch.zeros(6, 3, dtype=torch.long)
+    for i, t in enumerate(tails):
+        tail_ids[i, : len(t)], tail_mask[i, : len(t)] = torch.tensor(t), 1
+    shared = scorer(model, prompts, tail_ids, tail_mask)
+    logprobs = shared.log_softmax(-1).gather(-1, tail_ids[..., None])[..., 0]
+    (logprobs * tail_mask).sum().backward()
+    shared_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for i, (p, t) in enumerate(zip(prompts, tails)):  # each row alone, unpadded
+        alone = model(input_ids=torch.tensor([p + t])).logits[0, -len(t) - 1 : -1]
+        torch.testing.assert_close(shared[i, : len(t)], alone, atol=1e-5, rtol=1e-5)
+        alone.log_softmax(-1).gather(-1, torch.tensor(t)[:, None]).sum().backward()
+    for a, p in zip(shared_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_sample_categorical_draws_each_token_at_its_probability():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [2.0, 0.0, 0.0, 2.0]])
+    draws = torch.stack([engine.sample_categorical(probs) for _ in range(20_000)])
+    for row, weights in enumerate(probs):
+        freq = torch.bincount(draws[:, row], minlength=4).double() / len(draws)
+        expected = (weights / weights.sum()).double()
+        # 20k draws: a frequency's standard error is <= 0.0036; 5 of them is far in the tail
+        assert torch.allclose(freq, expected, atol=0.018), (row, freq, expected)
+        assert (freq[expected == 0] == 0).all()  # zero weight: never drawn
+
+
+def test_sample_categorical_at_the_top_of_the_cdf_draws_the_last_possible_token(monkeypatch):
+    # u == total can happen by round-off: the token is then the last of positive weight,
+    # never a zero-weight one after it (e.g. one removed by top-p)
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, **kw))
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.0, 0.3, 0.5]])
+    assert engine.sample_categorical(probs).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
+    with pytest.raises(ValueError, match="finite"):
+        engine.sample_categorical(torch.tensor([[0.5, bad]]))
+    with pytest.raises(ValueError, match="not all zero"):
+        engine.sample_categorical(torch.zeros(1, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5))
+def test_common_prefix_len_equals_a_plain_scan(rows):
+    n = 0
+    while all(len(r) > n for r in rows) and len({r[n] for r in rows}) == 1:
+        n += 1
+    assert engine.common_prefix_len(rows) == n
+
+
+def test_decoding_drops_ended_prompts_and_keeps_the_rest_exact(monkeypatch):
+    """Prompts end one after another (down to a single prefix node): the lean decoder drops
+    ended prompts' rows and gives the HF path's greedy tokens for the rest."""
+    model, tok = _model()
+    prompts = _prompts(tok) * 2  # 6 prefix nodes
+    group = 3
+    outputs = []
+    for lean in (True, False):
+        monkeypatch.setattr(engine, "lean_decoding_supported", lambda m, lean=lean: lean)
+        calls = {"n": 0}
+
+        def stop(rows, toks, calls=calls):  # prompt k's rows end at decode step k + 1
+            calls["n"] += 1
+            return rows // group < calls["n"]
+
+        outputs.append(_greedy(model, tok, prompts, group=group, max_new_tokens=8, stop=stop))
+    (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
+    assert lean_len.tolist() == [k // group + 1 for k in range(len(prompts) * group)]
+    assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
