@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.core.car import CarConfig
 from omgrpo.core.losses import AGG_MODES
-from omgrpo.tracking.trackers import TrackingConfig
+from omgrpo.tracking import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
 

@@ -191,7 +191,7 @@ def plan_runs(
     """Expand a sweep file into runs: overrides, composed name, and what to do with each
     (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
-    from omgrpo.tracking.trackers import default_mlflow_uri
+    from omgrpo.tracking import default_mlflow_uri
 
     path = Path(path)
     sweep = load_sweep(path)
@@ -257,7 +257,7 @@ def _prepare_mlflow(runs: list[Run], say) -> None:
     uris = sorted({r.mlflow_uri for r in runs if r.mlflow_uri})
     if not uris:
         return
-    from omgrpo.tracking.trackers import mlflow_client
+    from omgrpo.tracking import mlflow_client
 
     for uri in uris:
         if uri.startswith("sqlite:///"):

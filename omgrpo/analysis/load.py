@@ -29,8 +29,7 @@ import pandas as pd
 import yaml
 
 from omgrpo.core.diagnostics import CollapseDetector
-from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.trackers import (
+from omgrpo.tracking import (
     RUN_DIR_TAG,
     flatten,
     resolve_wandb_mode,
@@ -38,6 +37,7 @@ from omgrpo.tracking.trackers import (
     run_scale,
     sanitize_metric_name,
 )
+from omgrpo.tracking.store import RunStore
 
 IDENTITY_COLUMNS = (
     "run",
@@ -318,10 +318,10 @@ def _tracking_uri(uri: str):
 
 
 def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
-    from omgrpo.tracking.trackers import _sqlite_path, default_mlflow_uri, mlflow_client
+    from omgrpo.tracking import default_mlflow_uri, mlflow_client, sqlite_db_path
 
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(Path("runs"))
-    db = _sqlite_path(uri)
+    db = sqlite_db_path(uri)
     if db is not None and not db.is_file():
         raise FileNotFoundError(f"MLflow database {db} not found (from --mlflow-uri {uri})")
     client = mlflow_client(uri)

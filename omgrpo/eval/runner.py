@@ -324,7 +324,7 @@ def evaluate(
 
 
 def _identity(target: Target) -> dict[str, Any]:
-    from omgrpo.tracking.trackers import run_method, run_scale
+    from omgrpo.tracking import run_method, run_scale
 
     if not target.is_run:
         return {"model": str(target.path)}
@@ -354,9 +354,9 @@ def metric_rows(summary: dict[str, Any], label: str) -> dict[str, float]:
 
 def log_to_trackers(target: Target, out_dir: Path, summary: dict, say) -> None:
     """Add the metrics (at the checkpoint's step) and the evaluation files to the run's MLflow
-    / W&B run (`omgrpo.tracking.trackers`: continuing the run of this directory, with the run store's
+    / W&B run (`omgrpo.tracking`: continuing the run of this directory, with the run store's
     history replayed where a backend opens a new one); a failing backend only warns."""
-    from omgrpo.tracking.trackers import build_trackers
+    from omgrpo.tracking import build_trackers
 
     config = target.config
     tracking = config.get("tracking") or {}

@@ -10,7 +10,7 @@ runs (a killed run's last, half-written metrics line is ignored).
 
 Re-running is safe: each sync writes the run store's whole history into a new tracker run and
 retires the older ones of the same run directory (the same thing a resumed training run does,
-see `omgrpo.tracking.trackers`), so there is always one active run with one value per step:
+see `omgrpo.tracking`), so there is always one active run with one value per step:
 - MLflow: a new run, tagged `omgrpo.run_dir`; the older active runs of the directory (also one
   the trainer created before its backend failed, or one left RUNNING by a locked database) are
   soft-deleted and tagged `omgrpo.superseded_by`. The run status is set from `status.json`
@@ -27,14 +27,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omgrpo.tracking.fanout import replay_store
+from omgrpo.tracking.mlflow_tracker import MLflowTracker
 from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.trackers import (
-    MLflowTracker,
-    WandbTracker,
-    mlflow_tracker,
-    replay_store,
-    wandb_tracker,
-)
+from omgrpo.tracking.wandb_tracker import WandbTracker
 
 BACKENDS = ("mlflow", "wandb")
 
@@ -61,11 +57,11 @@ def sync_run(run_dir: str | Path, to: str, tracking_cfg: Any = None) -> str:
     tags = [str(t) for t in run.get("tags") or []]
 
     if to == "mlflow":
-        tracker: MLflowTracker | WandbTracker = mlflow_tracker(
+        tracker: MLflowTracker | WandbTracker = MLflowTracker.from_config(
             tracking_cfg, run_dir.parent, background=False
         )
     elif to == "wandb":
-        tracker = wandb_tracker(tracking_cfg)
+        tracker = WandbTracker.from_config(tracking_cfg)
     else:
         raise ValueError(f"unknown tracking backend {to!r}; valid: {', '.join(BACKENDS)}")
 

@@ -369,7 +369,7 @@ def test_load_rollouts(fixture_df):
 
 
 def test_load_runs_from_mlflow(tmp_path, monkeypatch):
-    from omgrpo.tracking.trackers import MLflowTracker
+    from omgrpo.tracking import MLflowTracker
 
     monkeypatch.chdir(tmp_path)  # MLflow's default artifact root is relative to the cwd
     run_dir = tmp_path / "toy__mv__s0"

@@ -275,8 +275,8 @@ def test_eval_cli_on_a_tiny_toy_run_writes_parquet_summary_and_mlflow(
     from omgrpo.backends.native.trainer import train
     from omgrpo.cli import main
     from omgrpo.config import compose
+    from omgrpo.tracking import mlflow_client, sanitize_metric_name
     from omgrpo.tracking.store import RunStore
-    from omgrpo.tracking.trackers import mlflow_client, sanitize_metric_name
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run = train(

@@ -18,9 +18,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.sync import sync_run
-from omgrpo.tracking.trackers import (
+from omgrpo.tracking import (
     FanOutTracker,
     MLflowTracker,
     NullTracker,
@@ -37,6 +35,8 @@ from omgrpo.tracking.trackers import (
     sanitize_metric_name,
     stable_run_id,
 )
+from omgrpo.tracking.store import RunStore
+from omgrpo.tracking.sync import sync_run
 
 REPO = Path(__file__).resolve().parents[2]
 WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"  # shaped like a W&B API key
@@ -297,12 +297,12 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     has every step, and `omgrpo sync` afterwards gives MLflow the finished run."""
     import sqlite3
 
-    from omgrpo.tracking.trackers import STALL_TIMEOUT_S, _sqlite_path
+    from omgrpo.tracking import STALL_TIMEOUT_S, sqlite_db_path
 
     run_dir = tmp_path / "runs" / "locked"
     store = RunStore(run_dir)
     fan = build_trackers(TrackingConfig(mlflow_uri=mlflow_uri, wandb=False), tmp_path)
-    lock = sqlite3.connect(_sqlite_path(mlflow_uri), isolation_level=None)
+    lock = sqlite3.connect(sqlite_db_path(mlflow_uri), isolation_level=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fan.start(run_dir, fake_config(run_dir, "locked-exp"), name="locked", group="g", tags=[])
@@ -337,11 +337,11 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
 def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_path, mlflow_uri):
     import sqlite3
 
-    from omgrpo.tracking.trackers import STALL_TIMEOUT_S, _sqlite_path
+    from omgrpo.tracking import STALL_TIMEOUT_S, sqlite_db_path
 
     run_dir = tmp_path / "runs" / "locked-early"
     fan = build_trackers(TrackingConfig(mlflow_uri=mlflow_uri, wandb=False), tmp_path)
-    lock = sqlite3.connect(_sqlite_path(mlflow_uri), isolation_level=None)
+    lock = sqlite3.connect(sqlite_db_path(mlflow_uri), isolation_level=None)
     lock.execute("BEGIN EXCLUSIVE")
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -365,7 +365,7 @@ def test_parallel_runs_on_a_fresh_database_do_not_race(tmp_path):
     script = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from omgrpo.tracking.trackers import MLflowTracker\n"
+        "from omgrpo.tracking import MLflowTracker\n"
         "t = MLflowTracker(sys.argv[1])\n"
         "t.start(Path(sys.argv[2]), {'seed': 0}, name=Path(sys.argv[2]).name, group='race',"
         " tags=[])\n"

@@ -12,8 +12,8 @@ from mlflow.tracking._tracking_service import utils as mlflow_uri_state
 
 from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
+from omgrpo.tracking import sanitize_metric_name
 from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.trackers import sanitize_metric_name
 
 pytestmark = pytest.mark.slow
 

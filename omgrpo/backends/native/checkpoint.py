@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omgrpo.tracking import flatten
 from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.trackers import flatten
 
 STATE_FILE = "state.pt"
 MANIFEST = "manifest.json"

@@ -70,8 +70,8 @@ from omgrpo.models.loading import (
     resolve_dtype,
 )
 from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
+from omgrpo.tracking import build_trackers
 from omgrpo.tracking.store import RunStore
-from omgrpo.tracking.trackers import build_trackers
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
 

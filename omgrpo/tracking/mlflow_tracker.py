@@ -1,0 +1,407 @@
+"""`MLflowTracker`: mirrors a run to MLflow, plus the client and SQLite-store helpers it needs
+(a store created or upgraded once per process, behind a file lock; fail fast on a locked one)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from omgrpo.tracking.base import TrackerWarning, as_tracking_config, check_status
+from omgrpo.tracking.naming import (
+    as_float,
+    flatten,
+    param_value,
+    redact,
+    run_dir_key,
+    run_method,
+    run_scale,
+    sanitize_metric_name,
+)
+from omgrpo.tracking.store import RunStore
+from omgrpo.tracking.worker import Worker
+
+STALL_TIMEOUT_S = 4.0
+"""MLflow: `finish` gives up when the store has not answered for this long, and opening a
+locked SQLite store fails after it."""
+RUN_DIR_TAG = "omgrpo.run_dir"
+
+
+def default_mlflow_uri(runs_root: Path) -> str:
+    return "sqlite:///" + str(Path(runs_root).expanduser().resolve() / "mlflow.db")
+
+
+_MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+_READY_STORES: set[str] = set()
+_READY_LOCK = threading.Lock()
+
+
+def sqlite_db_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = unquote(uri[len("sqlite:///") :].split("?")[0])
+    return Path(path) if path and path != ":memory:" else None
+
+
+def mlflow_client(uri: str):
+    """An MlflowClient for `uri`. A SQLite store is created or upgraded once per process,
+    behind an exclusive `fcntl.flock` on `<db>.lock`: parallel runs starting on a fresh DB
+    would otherwise race on the alembic migration (~7 s) and crash."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow import MlflowClient
+
+    with _READY_LOCK:
+        if uri in _READY_STORES:
+            return MlflowClient(tracking_uri=uri)
+        db = sqlite_db_path(uri)
+        if db is None:
+            client = MlflowClient(tracking_uri=uri)
+        else:
+            _check_sqlite(db)
+            with _file_lock(db.with_name(db.name + ".lock")):
+                client = _open_sqlite_store(uri)
+        _READY_STORES.add(uri)
+        return client
+
+
+def _check_sqlite(db: Path) -> None:
+    """Fail fast on a DB MLflow cannot open or that another process holds locked: MLflow
+    itself retries for ~20-100 s before raising, and silently creates missing folders (a typo
+    in the URI would start a new store)."""
+    import sqlite3
+
+    if not db.parent.is_dir():
+        raise FileNotFoundError(f"folder of the MLflow database {db} does not exist")
+    if db.exists() and not db.is_file():
+        raise IsADirectoryError(f"MLflow database {db} is not a file")
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(db))}?mode=rwc", uri=True, timeout=STALL_TIMEOUT_S)
+        try:
+            conn.execute("pragma schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        raise RuntimeError(f"cannot open the MLflow database {db}: {e}") from e
+
+
+def _open_sqlite_store(uri: str):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return MlflowClient(tracking_uri=uri)  # creates the tables of a fresh DB
+    except MlflowException as e:
+        if "out-of-date database schema" not in str(e):
+            raise
+    # A DB written by an older MLflow: upgrade it (we hold the lock), then open it again.
+    import sqlalchemy
+    from mlflow.store.db.utils import _upgrade_db
+
+    engine = sqlalchemy.create_engine(uri)
+    try:
+        _upgrade_db(engine)
+    finally:
+        engine.dispose()
+    return MlflowClient(tracking_uri=uri)
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _filter_literal(value: str) -> str:
+    quote = "'" if "'" not in value else '"'
+    return f"{quote}{value}{quote}"
+
+
+def _quiet_mlflow_db_errors() -> None:
+    """MLflow logs every SQLAlchemy error with its traceback (~20 lines each) before raising
+    it; the tracker reports the error itself, once, as a TrackerWarning."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+class MLflowTracker:
+    """Mirrors a run to MLflow with `MlflowClient` calls (no global active run).
+
+    Metric names go through `sanitize_metric_name`; strings, None, NaN and inf are skipped
+    (MLflow would store inf as the largest float; the local store has them all). `start` runs in
+    the caller's thread; afterwards, with `background=True` (the default), MLflow calls run in
+    order on a worker thread: a SQLite `log_batch` of 50 metrics costs ~50 ms of ORM work and
+    commits, which the training loop does not wait for. Metrics queued while a batch is being
+    written go out together in the next `log_batch` (≤ 1000 metrics each). An error surfaces on
+    the next call; `finish` waits for the queue (at most STALL_TIMEOUT_S without an answer).
+    The resolved, redacted config goes in as params (`a.b.c` keys) and as the artifact
+    `config.yaml`; rollouts as `rollouts/step_XXXXXX.parquet`. The run carries the tag
+    `omgrpo.run_dir`; each start opens a new run and retires the older ones of the same run
+    directory (`_open_run`), so a resumed or re-synced run is one active run with one value per
+    step.
+    """
+
+    name = "mlflow"
+
+    def __init__(self, uri: str, experiment: str | None = None, background: bool = True):
+        self.uri = uri
+        self.experiment = experiment
+        self.background = background
+        self.client = None
+        self.run_id: str | None = None
+        self.experiment_id: str | None = None
+        self.fresh_segment = True  # every start opens a new run (see `_open_run`)
+        self._keys: dict[str, str] = {}
+        self._owners: dict[str, str] = {}
+        self._worker: Worker | None = None
+        self._pending: list = []  # Metric points not yet sent
+        self._pending_lock = threading.Lock()
+        self._tmp: str | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: Any, runs_root: Path | None, background: bool = True
+    ) -> MLflowTracker:
+        """The tracker the `tracking` config asks for; without `mlflow_uri`, the SQLite store
+        `<runs_root>/mlflow.db`."""
+        cfg = as_tracking_config(cfg)
+        uri = cfg.mlflow_uri
+        if uri is None:
+            if runs_root is None:
+                raise ValueError("mlflow_uri is null and no runs root was given")
+            uri = default_mlflow_uri(runs_root)
+            with contextlib.suppress(OSError):  # if it fails, MLflow's start says so
+                Path(runs_root).mkdir(parents=True, exist_ok=True)
+        return cls(uri, experiment=cfg.mlflow_experiment, background=background)
+
+    # -- Tracker ------------------------------------------------------------------------------
+    def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
+        """Open a new MLflow run for `run_dir` and retire the runs it replaces (see
+        `_open_run`), in the caller's thread (a fresh SQLite store is created, ~7 s, once; a
+        locked one raises after STALL_TIMEOUT_S, where MLflow's own retries would take ~20 s).
+        Later calls run on the worker thread with `background=True`."""
+        _quiet_mlflow_db_errors()
+        self.client = mlflow_client(self.uri)
+        if db := sqlite_db_path(self.uri):
+            _check_sqlite(db)
+        self._open_run(Path(run_dir), redact(config), name, group, list(tags), resume_step)
+        self._tmp = tempfile.mkdtemp(prefix="omgrpo-mlflow-")
+        if self.background:
+            self._worker = Worker(f"omgrpo-mlflow-{self.run_id[:8]}")
+
+    def _open_run(self, run_dir: Path, config, name, group, tags, resume_step) -> None:
+        """A new run holding the config (params, `config.yaml`) and tags; the active runs of
+        the same run directory (found by the tag `omgrpo.run_dir`, or by the id the run store
+        recorded, for a run directory that was moved) are soft-deleted and tagged
+        `omgrpo.superseded_by`: MLflow cannot delete single points, and the new run gets the
+        run store's history replayed, so exactly one active run shows each step once."""
+        from mlflow.entities import Param
+
+        client = self.client
+        self.experiment_id = self._experiment(self.experiment or group or "omgrpo")
+        run_tags = {
+            RUN_DIR_TAG: run_dir_key(run_dir),
+            "mlflow.runName": name,
+            "group": str(group),
+            "method": run_method(config),
+            "scale": run_scale(config),
+        }
+        if resume_step is not None:
+            run_tags["omgrpo.resumed_from_step"] = str(resume_step)
+        if tags:
+            run_tags["omgrpo.tags"] = ",".join(map(str, tags))
+            for tag in tags:
+                key, _, value = str(tag).partition("=")
+                run_tags[sanitize_metric_name(key)] = value
+        with contextlib.suppress(Exception):  # mlflow.user, mlflow.source.*
+            from mlflow.tracking.context.registry import resolve_tags
+
+            run_tags = resolve_tags(run_tags)
+        old = self.find_runs(run_dir)
+        run = client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+        self.run_id = run.info.run_id
+        params = [
+            Param(sanitize_metric_name(k), param_value(v)) for k, v in flatten(config).items()
+        ]
+        for chunk in _chunks(params, 100):
+            client.log_batch(self.run_id, params=chunk, synchronous=True)
+        client.log_dict(self.run_id, config, "config.yaml")
+        for previous in old:
+            client.set_tag(previous.info.run_id, "omgrpo.superseded_by", self.run_id)
+            if previous.info.status == "RUNNING":
+                client.set_terminated(previous.info.run_id, "KILLED")
+            client.delete_run(previous.info.run_id)
+        with contextlib.suppress(OSError):  # a read-only run store: the tag still finds it
+            RunStore(run_dir).set_tracker_id("mlflow", self.run_id)
+
+    def log_metrics(self, step, metrics) -> None:
+        self.log_metrics_rows([(step, metrics)])
+
+    def log_metrics_rows(self, rows) -> None:
+        """Log several steps with as few `log_batch` calls as possible (≤ 1000 metrics each)."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        points = []
+        for step, metrics in rows:
+            for name, value in metrics.items():
+                value = as_float(value)
+                if value is None or name == "train/step":
+                    continue
+                points.append(Metric(self._key(name), value, now, int(step)))
+        with self._pending_lock:
+            idle = not self._pending
+            self._pending += points
+        if idle:  # otherwise a flush is queued already and will take these too
+            self._call(self._send_pending)
+
+    def log_rollouts(self, step, table) -> None:
+        path = Path(self._tmp) / f"step_{int(step):06d}.parquet"
+        table.to_parquet(path, index=False)
+        self._call(self._log_file, path, "rollouts")
+
+    def log_artifact(self, path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            self._call(lambda: self.client.log_artifacts(self.run_id, str(path), path.name))
+        else:
+            self._call(lambda: self.client.log_artifact(self.run_id, str(path)))
+
+    def finish(self, status) -> None:
+        """Send what is queued and set the run's status. Gives up (TimeoutError) when the
+        store has not answered for STALL_TIMEOUT_S: the run then stays RUNNING in MLflow
+        until `omgrpo sync` replaces it."""
+        status = _MLFLOW_STATUS[check_status(status)]
+        worker, self._worker = self._worker, None
+        try:
+            if worker is None:
+                if self.run_id is not None:
+                    self.client.set_terminated(self.run_id, status)
+                return
+            try:
+                worker.submit(lambda: self.client.set_terminated(self.run_id, status))
+                if not worker.wait(stall_s=STALL_TIMEOUT_S):
+                    worker.abandon()
+                    raise TimeoutError(
+                        f"the MLflow store {self.uri} did not answer for {STALL_TIMEOUT_S:.0f} s "
+                        "(locked or unreachable); its run is left as it is"
+                    )
+            finally:
+                worker.close()
+        finally:
+            if self._tmp is not None:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _call(self, fn, *args) -> None:
+        if self._worker is not None:
+            self._worker.submit(fn, *args)
+        else:
+            fn(*args)
+
+    def _send_pending(self) -> None:
+        with self._pending_lock:
+            points, self._pending = self._pending, []
+        for chunk in _chunks(points, 1000):
+            self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+
+    def _log_file(self, path: Path, artifact_path: str) -> None:
+        try:
+            self.client.log_artifact(self.run_id, str(path), artifact_path)
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def find_runs(self, run_dir: Path) -> list:
+        """The active runs (in any experiment) of this run directory: tagged with its path,
+        or recorded in its run store (`trackers.json`, so a moved run directory is found)."""
+        from mlflow.entities import ViewType
+
+        client = self.client or mlflow_client(self.uri)
+        experiments = [e.experiment_id for e in _all_experiments(client)]
+        flt = f"tags.`{RUN_DIR_TAG}` = {_filter_literal(run_dir_key(run_dir))}"
+        runs = {}
+        for chunk in _chunks(experiments, 100):
+            for run in client.search_runs(
+                chunk, filter_string=flt, run_view_type=ViewType.ACTIVE_ONLY, max_results=1000
+            ):
+                runs[run.info.run_id] = run
+        recorded = RunStore(run_dir).tracker_ids().get("mlflow")
+        if recorded and recorded not in runs:
+            with contextlib.suppress(Exception):  # recorded in another store, or deleted
+                run = client.get_run(recorded)
+                if run.info.lifecycle_stage == "active":
+                    runs[recorded] = run
+        return list(runs.values())
+
+    def metric_key(self, name: str) -> str:
+        """The MLflow key this tracker uses for metric `name`."""
+        return self._key(name)
+
+    def _key(self, name: str) -> str:
+        key = self._keys.get(name)
+        if key is None:
+            key = sanitize_metric_name(name)
+            owner = self._owners.setdefault(key, name)
+            if owner != name:  # two names sanitise alike: keep them apart
+                key = f"{key}_{hashlib.sha1(name.encode()).hexdigest()[:6]}"
+                warnings.warn(
+                    f"MLflow: metrics {owner!r} and {name!r} sanitise to the same name; "
+                    f"logging {name!r} as {key!r}",
+                    TrackerWarning,
+                    stacklevel=3,
+                )
+                self._owners[key] = name
+            self._keys[name] = key
+        return key
+
+    def _experiment(self, name: str) -> str:
+        client = self.client
+        db = sqlite_db_path(self.uri)
+        lock = _file_lock(db.with_name(db.name + ".lock")) if db else contextlib.nullcontext()
+        with lock:  # two runs creating the same experiment at once
+            exp = client.get_experiment_by_name(name)
+            if exp is not None:
+                if exp.lifecycle_stage == "deleted":
+                    client.restore_experiment(exp.experiment_id)
+                return exp.experiment_id
+            location = None
+            if db is not None:  # next to the DB, not in the working directory
+                slug = re.sub(r"[^\w.\-]+", "_", name)
+                location = (db.resolve().parent / "mlartifacts" / slug).as_uri()
+            return client.create_experiment(name, artifact_location=location)
+
+
+def _all_experiments(client):
+    from mlflow.entities import ViewType
+
+    out, token = [], None
+    while True:
+        page = client.search_experiments(
+            view_type=ViewType.ACTIVE_ONLY, max_results=1000, page_token=token
+        )
+        out += list(page)
+        token = page.token
+        if not token:
+            return out
+
+
+def _chunks(items: list, size: int):
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
