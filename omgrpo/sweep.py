@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["Run", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
+__all__ = ["PlannedRun", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
 
 DONE_STATES = {"finished", "collapsed"}
 FAILED_STATE = "failed"
@@ -158,7 +158,7 @@ def merge_overrides(*lists: list[str]) -> list[str]:
 # Planning
 # ----------------------------------------------------------------------------------------
 @dataclass
-class Run:
+class PlannedRun:
     name: str
     root: Path
     overrides: list[str]
@@ -177,8 +177,9 @@ class Run:
         return self.root / f"{self.name}.log"
 
 
-def read_status(run_dir: Path) -> dict[str, Any]:
-    """status.json of a run, {} if absent or half-written."""
+def status_if_readable(run_dir: Path) -> dict[str, Any]:
+    """status.json of a run, {} if absent or unreadable (the sweep polls runs that are
+    writing it; `RunStore.read_status` raises on a broken file instead)."""
     try:
         return json.loads((run_dir / "status.json").read_text())
     except (OSError, ValueError):
@@ -187,7 +188,7 @@ def read_status(run_dir: Path) -> dict[str, Any]:
 
 def plan_runs(
     path: str | Path, extra: list[str] | None = None, retry_failed: bool = False
-) -> list[Run]:
+) -> list[PlannedRun]:
     """Expand a sweep file into runs: overrides, composed name, and what to do with each
     (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
@@ -206,7 +207,7 @@ def plan_runs(
     if "run.experiment" not in keys and len(experiments) <= 1:
         defaults.append(f"run.experiment={path.stem}")
 
-    runs: list[Run] = []
+    runs: list[PlannedRun] = []
     seen: dict[str, list[str]] = {}
     for combo in grid:
         overrides = merge_overrides(combo, defaults, extra)
@@ -228,7 +229,7 @@ def plan_runs(
                 "them different run.root values"
             )
         seen[key] = overrides
-        status = read_status(root / name)
+        status = status_if_readable(root / name)
         if status.get("state") in DONE_STATES or (
             status.get("state") == FAILED_STATE and not retry_failed
         ):
@@ -238,7 +239,7 @@ def plan_runs(
             overrides = merge_overrides(combo, defaults, ["run.resume=true"], extra)
         else:
             state = "new"
-        runs.append(Run(name, root, overrides, state, status, uri, cfg))
+        runs.append(PlannedRun(name, root, overrides, state, status, uri, cfg))
     return runs
 
 
@@ -252,7 +253,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _prepare_mlflow(runs: list[Run], say) -> None:
+def _prepare_mlflow(runs: list[PlannedRun], say) -> None:
     """Create every MLflow store the runs will write to, once, before they start in parallel."""
     uris = sorted({r.mlflow_uri for r in runs if r.mlflow_uri})
     if not uris:
@@ -268,7 +269,7 @@ def _prepare_mlflow(runs: list[Run], say) -> None:
             say(f"warning: could not prepare the MLflow store {uri}: {e}")
 
 
-def _prepare_toy_bases(runs: list[Run], say) -> None:
+def _prepare_toy_bases(runs: list[PlannedRun], say) -> None:
     """Train each toy base the runs need once, before they start in parallel (otherwise each
     parallel run would train the same base at the same time); a base trains on one thread
     wherever it is trained (`omgrpo.models.toy.ensure_toy_base`)."""
@@ -295,7 +296,7 @@ def _prepare_toy_bases(runs: list[Run], say) -> None:
         base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
 
 
-def _run_one(run: Run, env: dict[str, str]) -> tuple[str, float]:
+def _run_one(run: PlannedRun, env: dict[str, str]) -> tuple[str, float]:
     """Run one training subprocess; returns (outcome, seconds). outcome: done or failed: ..."""
     cmd = [sys.executable, "-m", "omgrpo", "train", *run.overrides]
     run.root.mkdir(parents=True, exist_ok=True)
@@ -310,7 +311,7 @@ def _run_one(run: Run, env: dict[str, str]) -> tuple[str, float]:
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         return f"failed: exit code {proc.returncode}", seconds
-    state = read_status(run.dir).get("state")
+    state = status_if_readable(run.dir).get("state")
     if state not in DONE_STATES:
         return f"failed: exited 0 but status is {state!r}", seconds
     return "done", seconds
@@ -385,13 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def _evaluate(runs: list[Run], suite: str, checkpoints: list[str], jobs: int) -> int:
+def _evaluate(runs: list[PlannedRun], suite: str, checkpoints: list[str], jobs: int) -> int:
     """`omgrpo eval` on every finished run (a subprocess each, `jobs` at once, output
     appended to the run's log); finished evaluations are kept. Returns 1 if any failed."""
-    done = [r for r in runs if read_status(r.dir).get("state") in DONE_STATES]
+    done = [r for r in runs if status_if_readable(r.dir).get("state") in DONE_STATES]
     env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}
 
-    def one(run: Run, checkpoint: str) -> tuple[Run, str, int]:
+    def one(run: PlannedRun, checkpoint: str) -> tuple[PlannedRun, str, int]:
         cmd = [
             sys.executable,
             "-m",
@@ -421,13 +422,13 @@ def _evaluate(runs: list[Run], suite: str, checkpoints: list[str], jobs: int) ->
     return 1 if failed else 0
 
 
-def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> int:
+def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     counts = {"done": 0, "skipped": len(runs) - len(todo), "failed": 0, "running": 0}
-    failed: list[tuple[Run, str]] = []
+    failed: list[tuple[PlannedRun, str]] = []
     lock = threading.Lock()
 
     env = dict(os.environ)
@@ -464,7 +465,7 @@ def _execute(sweep_name: str, runs: list[Run], todo: list[Run], jobs: int) -> in
                 _prepare_mlflow(todo, progress.console.print)
                 _prepare_toy_bases(todo, progress.console.print)
 
-            def work(run: Run) -> tuple[str, float]:
+            def work(run: PlannedRun) -> tuple[str, float]:
                 with lock:
                     counts["running"] += 1
                     progress.update(task, summary=summary())

@@ -172,7 +172,7 @@ def write_report(
         ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
-    (out_dir / "summary.json").write_text(json.dumps(summarize(df), indent=2) + "\n")
+    (out_dir / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
     return path
 
 
@@ -282,7 +282,7 @@ def _number(value) -> float | None:
     return None if value is None or pd.isna(value) else round(float(value), 4)
 
 
-def summarize(df: pd.DataFrame) -> dict:
+def report_summary(df: pd.DataFrame) -> dict:
     """The numbers behind the report's verdicts, for scripts and CI: per run (identity, steps,
     peak/final val acc, final unique answers per prompt, final batch-mode share, collapse step
     or null) and per method (`variant`), the same over its seeds as per-seed lists and means."""

@@ -36,7 +36,7 @@ from omgrpo.analysis.figures import DRAW, MissingRunsError
 from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
 from omgrpo.analysis.report import base_checks, base_checks_section, what_happened
 
-__all__ = ["Verdict", "evaluate", "read_preregistration", "verdict_table"]
+__all__ = ["Verdict", "judge_predictions", "read_preregistration", "verdict_table"]
 
 MEASURES = ("change", "diff", "change_diff", "spearman")
 OPS = (">", "<", "abs<")
@@ -166,7 +166,7 @@ def _decide(op: str, threshold: float, values: list[float]) -> tuple[float, tupl
     return mean, (lo, hi), verdict
 
 
-def evaluate(df: pd.DataFrame, spec: Mapping) -> list[Verdict]:
+def judge_predictions(df: pd.DataFrame, spec: Mapping) -> list[Verdict]:
     """Every prediction of `spec` (`read_preregistration`) marked from the runs in `df`."""
     out = []
     for p in spec["predictions"]:
@@ -234,7 +234,7 @@ def write_study_report(
     (out / "figures").mkdir(parents=True, exist_ok=True)
     run_dirs = find_run_dirs(*runs)
     df = load_runs(*runs)
-    verdicts = evaluate(df, spec)
+    verdicts = judge_predictions(df, spec)
     by_id = {v.id: v for v in verdicts}
     gate = spec.get("stop_unless_confirmed")
     stopped = gate is not None and not by_id[gate].verdict.startswith("confirmed")

@@ -1,9 +1,9 @@
 """The paper's tables from a `load_runs` frame: each function returns a `Table` (a DataFrame
 `frame` with the numbers, and `markdown` for reports; notebooks render it as markdown).
 
-- `main_table`: final and peak validation accuracy per variant over seeds (the main results
+- `val_acc_table`: final and peak validation accuracy per variant over seeds (the main results
   and ablation tables): mean ± 95% CI with >= 3 seeds, mean (min–max) with 2 (`SEEDS_NOTE`).
-- `car_vs_n_table`: OM-GRPO with CAR vs direct sampling with n = 8 / 16 / 64 rollouts:
+- `car_vs_n_val_table`: OM-GRPO with CAR vs direct sampling with n = 8 / 16 / 64 rollouts:
   accuracy, time per step and total time.
 - `overhead_table`: mean seconds per step of every stage (`time/<stage>`) and peak memory
   (`mem/peak_gb`) per variant.
@@ -39,11 +39,11 @@ __all__ = [
     "TABLE_TITLES",
     "Table",
     "all_tables",
-    "car_vs_n_table",
-    "main_table",
+    "car_vs_n_val_table",
     "markdown_table",
     "overhead_table",
     "run_summary",
+    "val_acc_table",
 ]
 
 
@@ -141,7 +141,7 @@ def run_summary(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
-def main_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
+def val_acc_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
     """Final and peak `metric` per (scale, experiment, variant) over seeds, with n (`seeds`):
     mean ± 95% CI with >= 3 seeds, mean (min–max) with 2, the value with one."""
     if df is None or df.empty or not _has(df, metric):
@@ -192,9 +192,9 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def car_vs_n_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
+def car_vs_n_val_table(df: pd.DataFrame, metric: str = "val/acc") -> Table:
     """OM-GRPO with CAR vs without CAR at n = 8 / 16 / 64 rollouts per prompt: final `metric`
-    (over seeds, as in `main_table`), mean seconds per step, and total training time."""
+    (over seeds, as in `val_acc_table`), mean seconds per step, and total training time."""
     what = "CAR vs more rollouts"
     if df is None or df.empty:
         raise MissingRunsError(f"{what}: no runs loaded; it needs {HINT_N}")
@@ -317,8 +317,8 @@ def overhead_table(df: pd.DataFrame) -> Table:
 
 
 TABLES: dict[str, Callable[[pd.DataFrame], Table]] = {
-    "main": main_table,
-    "car_vs_n": car_vs_n_table,
+    "main": val_acc_table,
+    "car_vs_n": car_vs_n_val_table,
     "overhead": overhead_table,
 }
 

@@ -1,9 +1,11 @@
-"""What the policy does without training: sample responses, and score given responses.
+"""What the policy does without training: sample responses, and the log-probs of given responses
+(`response_logprobs`; rewards are scored in `omgrpo.core.step.score_step`).
 
 Sequences are laid out as a left-padded prompt block (B, P) followed by a right-padded response
 block (B, T), so the logits predicting response token t sit at position P - 1 + t. Position ids
 are counted from the first real token (cumsum of the attention mask), identical in sampling and
-scoring, so a response's log-probs do not depend on how much padding its batch needed.
+in computing log-probs, so a response's log-probs do not depend on how much padding its batch
+needed.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ __all__ = [
     "Sequences",
     "left_pad",
     "response_logits",
+    "response_logprobs",
     "right_pad",
     "sample",
-    "score",
     "stop_token_ids",
 ]
 
@@ -182,7 +184,7 @@ def response_logits(
     return logits[:, :-1, :]
 
 
-def score(
+def response_logprobs(
     model: torch.nn.Module,
     seqs: Sequences,
     micro_batch_size: int | None = None,

@@ -215,7 +215,7 @@ def test_missing_runs_on_the_fixture(fixture_df, tmp_path):
 
 # -- tables ------------------------------------------------------------------------------------
 def test_tables(synth):
-    main = T.main_table(synth)
+    main = T.val_acc_table(synth)
     assert list(main.frame["variant"]) == ["om_grpo", "w0.5"]
     assert (main.frame["seeds"] == 2).all()
     final = synth[synth["step"] == 5].groupby("variant")["val/acc"].mean()
@@ -225,7 +225,7 @@ def test_tables(synth):
         assert re.search(r"\| 2 \| \d+\.\d\d \(\d+\.\d\d–\d+\.\d\d\) \|", row), row
         assert "±" not in row
 
-    car = T.car_vs_n_table(synth)
+    car = T.car_vs_n_val_table(synth)
     assert list(car.frame["config"]) == ["OM-GRPO (n=8)", "w/o CAR (n=16)"]
     assert car.frame["time_per_step_s"].iloc[0] > car.frame["time_per_step_s"].iloc[1]
     assert "total time" in car.markdown
@@ -237,7 +237,7 @@ def test_tables(synth):
     assert over.frame.loc["Max peak memory (GB)", "om_grpo"] == pytest.approx(1.01)
 
     with pytest.raises(MissingRunsError, match=r"rollout\.n=16"):
-        T.car_vs_n_table(synth[synth["variant"] == "om_grpo"])
+        T.car_vs_n_val_table(synth[synth["variant"] == "om_grpo"])
     assert isinstance(T.all_tables(synth)["overhead"], T.Table)
 
 
@@ -305,14 +305,14 @@ def test_metric_ranges():
 def test_tables_print_n_and_a_ci_only_from_three_seeds():
     two = synthetic_runs(seeds=(0, 1))
     two = two.assign(**{"val/acc": two["seed"].map({0: 0.0, 1: 0.25})})
-    main = T.main_table(two)
+    main = T.val_acc_table(two)
     # before: "12.50 ± 158.83" (a 2-seed t-interval, t = 12.7)
     assert "| 2 | 12.50 (0.00–25.00) | 12.50 (0.00–25.00) |" in main.markdown
     assert "with 2 seeds the mean and, in parentheses, the range" in main.markdown
     three = synthetic_runs(seeds=(0, 1, 2))
     three = three.assign(**{"val/acc": three["seed"].map({0: 0.0, 1: 0.25, 2: 0.5})})
     # mean 25, std 25, t(2) = 4.303: 25 ± 62.10 (the CI is as wide as 3 seeds make it)
-    assert "| 3 | 25.00 ± 62.10 | 25.00 ± 62.10 |" in T.main_table(three).markdown
+    assert "| 3 | 25.00 ± 62.10 | 25.00 ± 62.10 |" in T.val_acc_table(three).markdown
     over = T.overhead_table(two)
     assert "om_grpo (n=2)" in over.markdown and "w0.5 (n=2)" in over.markdown
 
@@ -355,7 +355,7 @@ def test_reruns_in_two_roots_are_not_averaged_as_seeds(tmp_path):
     df = load_runs(tmp_path)
     assert df["run"].nunique() == 2  # same name, two directories: kept apart
     assert sorted(run_roots(df).unique()) == ["a", "b"]
-    table = T.main_table(df).frame
+    table = T.val_acc_table(df).frame
     assert sorted(table["root"]) == ["a", "b"] and (table["seeds"] == 1).all()
     assert run_roots(load_runs(FIXTURE)).eq("").all()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from omgrpo.analysis.study import evaluate, prediction_texts, read_preregistration
+from omgrpo.analysis.study import judge_predictions, prediction_texts, read_preregistration
 
 PREREG = Path(__file__).resolve().parents[2] / "reports/collapse-study/PREREGISTRATION.md"
 SPEC = {"start_step": 0, "final_steps": [20, 30], "train_window": 2}
@@ -41,7 +41,7 @@ def test_change_over_seeds_with_a_t_interval():
     df = pd.concat(
         [_run("w", "gt", s, [0.5, 0.55 + d, 0.55 + d]) for s, d in enumerate([0.0, 0.02, 0.04])]
     )
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -53,7 +53,7 @@ def test_change_over_seeds_with_a_t_interval():
     assert v.mean == pytest.approx(0.07)
     assert v.ci95 == pytest.approx((0.07 - 0.0497, 0.07 + 0.0497), abs=1e-4)
     assert v.verdict == "inconclusive"  # 0.0203 < 0.03
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -61,7 +61,7 @@ def test_change_over_seeds_with_a_t_interval():
         },
     )
     assert v.verdict == "confirmed"
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -81,7 +81,7 @@ def test_paired_diff_includes_further_bases_and_abs_threshold():
             _run("other", "a", 0, [0.0, 1.0, 1.0]),  # another world: never a unit of w
         ]
     )
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -93,7 +93,7 @@ def test_paired_diff_includes_further_bases_and_abs_threshold():
     assert v.values == {"w/s0": pytest.approx(0.01), "w_base1/s0": pytest.approx(-0.01)}
     # mean 0, sd 0.01414, t(1) = 12.71: half-width 0.127 -> not within +-0.03, not outside
     assert v.verdict == "inconclusive"
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -109,7 +109,7 @@ def test_paired_diff_includes_further_bases_and_abs_threshold():
 
 def test_training_metric_window_spearman_and_missing_runs():
     df = pd.concat([_run("w", m, 0, [0.5, 0.5, 0.5], kl=k) for m, k in (("w0", 1.0), ("w1", 2.0))])
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -126,7 +126,7 @@ def test_training_metric_window_spearman_and_missing_runs():
             for i, c in enumerate([0.0, 0.1, 0.05, 0.2])
         ]
     )
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df2,
         {
             **SPEC,
@@ -142,7 +142,7 @@ def test_training_metric_window_spearman_and_missing_runs():
         },
     )
     assert v.values["w/s0"] == pytest.approx(0.8)  # ranks 1, 3, 2, 4
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         df,
         {
             **SPEC,
@@ -154,7 +154,7 @@ def test_training_metric_window_spearman_and_missing_runs():
     assert v.verdict == "not run" and math.isnan(v.values["w/s0"])
     unfinished = _run("w", "gt", 0, [0.5, 0.6, 0.6])
     unfinished = unfinished[unfinished["step"] < 25]  # has not reached its last validation
-    (v,) = evaluate(
+    (v,) = judge_predictions(
         unfinished,
         {
             **SPEC,

@@ -243,7 +243,7 @@ def test_sweep_eval_step_runs_omgrpo_eval_on_finished_runs(tmp_path, monkeypatch
     for name, state in (("a", "finished"), ("b", "failed")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "status.json").write_text(json.dumps({"state": state}))
-        runs.append(sweep.Run(name, tmp_path, [], "skip"))
+        runs.append(sweep.PlannedRun(name, tmp_path, [], "skip"))
     seen = []
     monkeypatch.setattr(
         subprocess,

@@ -1,9 +1,10 @@
-"""The sampler and scorer against plain references: HF greedy generate, and unpadded scoring."""
+"""The sampler and `response_logprobs` against plain references: HF greedy generate, and
+log-probs of unpadded rows."""
 
 import torch
 from omegaconf import OmegaConf
 
-from omgrpo.generation.rollout import sample, score
+from omgrpo.generation.rollout import response_logprobs, sample
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
 
@@ -17,6 +18,21 @@ def _model():
 def _prompts(tok):
     texts = ["Evaluate left to right: 7+5", "Hi", "Evaluate: 12*3-4+1"]
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _two_samples_each(model, tok, prompts):
+    """Two sampled responses (10 tokens at most) per prompt, from seed 0."""
+    torch.manual_seed(0)
+    return sample(
+        model,
+        prompts,
+        n=2,
+        max_new_tokens=10,
+        temperature=1.0,
+        top_p=1.0,
+        eos_id=tok.eos_token_id,
+        pad_id=tok.pad_token_id,
+    )
 
 
 def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
@@ -45,23 +61,13 @@ def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
         assert batch.response_ids[i, :n].tolist() == ref[:n].tolist()
 
 
-def test_scores_do_not_depend_on_batch_padding():
+def test_logprobs_do_not_depend_on_batch_padding():
     model, tok = _model()
     prompts = _prompts(tok)
-    torch.manual_seed(0)
-    batch = sample(
-        model,
-        prompts,
-        n=2,
-        max_new_tokens=10,
-        temperature=1.0,
-        top_p=1.0,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-    )
-    together = score(model, batch, with_stats=True)
+    batch = _two_samples_each(model, tok, prompts)
+    together = response_logprobs(model, batch, with_stats=True)
     for i in range(len(batch)):
-        alone = score(model, batch.select(slice(i, i + 1)))
+        alone = response_logprobs(model, batch.select(slice(i, i + 1)))
         n = int(batch.response_mask[i].sum())
         # alone: no left padding beyond this prompt's own width
         torch.testing.assert_close(
@@ -101,17 +107,7 @@ def test_shared_prefix_forward_equals_the_plain_forward_with_gradients():
         "<|im_start|>system\nLet's think step by step.<|im_end|>\n", add_special_tokens=False
     )["input_ids"]
     prompts = [system + p for p in _prompts(tok)]
-    torch.manual_seed(0)
-    batch = sample(
-        model,
-        prompts,
-        n=2,
-        max_new_tokens=10,
-        temperature=1.0,
-        top_p=1.0,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-    )
+    batch = _two_samples_each(model, tok, prompts)
     from omgrpo.generation.rollout import response_logits
 
     mask = batch.response_mask.bool()

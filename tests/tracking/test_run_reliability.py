@@ -24,7 +24,7 @@ from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
 from omgrpo.core import step as step_module  # where the step computes its rewards
 from omgrpo.sweep import main as sweep_main
-from omgrpo.sweep import plan_runs, read_status
+from omgrpo.sweep import plan_runs, status_if_readable
 from omgrpo.tracking.store import RunStore
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,9 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     deadline = time.monotonic() + 300
     # Kill once step 5 is done and in MLflow (its writer is asynchronous): then in step 6, with
     # steps 5.. to recompute from the checkpoint at 4.
-    while read_status(run_dir).get("step", 0) < 5 or 5 not in _logged_steps(root / "mlflow.db"):
+    while status_if_readable(run_dir).get("step", 0) < 5 or 5 not in _logged_steps(
+        root / "mlflow.db"
+    ):
         assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.01)

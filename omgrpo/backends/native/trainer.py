@@ -61,7 +61,13 @@ from omgrpo.core.step import (
     score_step,
     step_metrics,
 )
-from omgrpo.generation.rollout import Sequences, response_logits, sample, score, stop_token_ids
+from omgrpo.generation.rollout import (
+    Sequences,
+    response_logits,
+    response_logprobs,
+    sample,
+    stop_token_ids,
+)
 from omgrpo.models.loading import (
     base_model_dir,
     load_model,
@@ -215,11 +221,15 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     old = {"logprobs": None}
     if need_stats or not single_update(cfg.algorithm, len(seqs)):
         with timer("old_logprob"):
-            old = score(policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats)
+            old = response_logprobs(
+                policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats
+            )
     ref_logprobs = None
     if run.ref is not None:
         with timer("ref_logprob"):
-            ref_logprobs = score(run.ref, seqs, cfg.algorithm.micro_batch_size)["logprobs"]
+            ref_logprobs = response_logprobs(run.ref, seqs, cfg.algorithm.micro_batch_size)[
+                "logprobs"
+            ]
     with timer("reward"):  # answers, rewards and advantages
         stats = old if need_stats else None
         batch = score_step(
