@@ -125,7 +125,6 @@ def _sympy_numbers_equal(a: Any, a_ulp: Fraction | None, b: Any, b_ulp: Fraction
     different (``(a - b).equals(0)``)."""
     import sympy
 
-
     a, b = _exact_sympy(a), _exact_sympy(b)
     if not (a.is_finite and b.is_finite):  # infinities, nan, or finiteness unknown
         return bool(a == b)
