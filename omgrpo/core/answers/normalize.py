@@ -34,6 +34,8 @@ _BARE_LEADING_DOT = re.compile(r"(?<![\w.})\]])\.(?=\d)")
 _DECIMAL = re.compile(r"(?<![\w.])(\d+)\.(\d+)(?![\d.])")
 _LEADING_ZEROS = re.compile(r"(?<![\w.])0+(?=\d)")
 _INT_SLASH_INT = re.compile(r"([+-]?)(\d+)/(\d+)")
+_COMMA_SPACE = re.compile(r",\s+")
+_THOUSANDS_NEG_SPACE = re.compile(r"(?<=\d),\\!\s*(?=\d)")
 
 _MAX_PASSES = 8
 MAX_ANSWER_CHARS = 1000
@@ -85,6 +87,19 @@ def _strip_equation_lhs(s: str) -> str:
     if rhs and _SHORT_VAR.fullmatch(lhs):
         return rhs
     return s
+
+
+def _comma_list(s: str) -> str | None:
+    """``32, 349`` is two numbers, not 32349: where only the spaces after its commas keep an
+    answer from reading as a thousands-separated number, it is a list, normalised to
+    ``32, 349`` (one space after each comma, none elsewhere) so that it never meets the normal
+    form of ``32,349`` (32349) on a later pass either. None for any other answer."""
+    if _COMMA_SPACE.search(s) is None:
+        return None
+    tight = _unwrap_outer(_SPACES.sub("", s))  # `{32, 349}` too
+    if not _THOUSANDS.fullmatch(tight):
+        return None
+    return tight.replace(",", ", ")
 
 
 def _remove_spaces(s: str) -> str:
@@ -226,6 +241,7 @@ def _normalize_once(s: str) -> str:
     s = s.strip()
     if not s:
         return s
+    s = _THOUSANDS_NEG_SPACE.sub(",", s)  # `32,\! 349`: `\!` marks a thousands separator
     s = _SPACING.sub(_spacing_repl, s)
     s = _LEFT_RIGHT_DOT.sub("", s)
     s = _LEFT_RIGHT.sub("", s)
@@ -237,6 +253,9 @@ def _normalize_once(s: str) -> str:
     if len(s) > 1 and s.endswith(".") and not s.endswith(".."):  # keep `...`
         s = s[:-1]
     s = _strip_equation_lhs(s)
+    listed = _comma_list(s)
+    if listed is not None:
+        return listed
     s = _remove_spaces(s)
     s = _fix_frac_sqrt(s)
     s = _unwrap_outer(s)

@@ -80,20 +80,45 @@ def mv_worker(x: Side, y: Side) -> bool:
     """Whether two answers are equal, decided with sympy / math-verify (in the pool worker).
 
     Numbers (no free symbols) are compared exactly (`_sympy_numbers_equal`); everything else
-    (sets, intervals, equations, expressions) by math-verify's `verify` in both orders, since
-    clustering needs a symmetric relation. math-verify's own SIGALRM timeouts are disabled:
-    pebble kills the worker instead.
+    (sets, intervals, equations, expressions) by math-verify's `verify` in both orders
+    (`_symmetric_verify`). math-verify's own SIGALRM timeouts are disabled: pebble kills the
+    worker instead.
     """
-    from math_verify import verify
-
     px, py = _mv_parse(x[0]), _mv_parse(y[0])
     if not px or not py:
         return False
     a, b = _sympy_value(px[0], x[1]), _sympy_value(py[0], y[1])
     if _is_number(a) and _is_number(b):
         return _sympy_numbers_equal(a, x[2], b, y[2])
-    gx, gy = list(px), list(py)
-    return bool(verify(gx, gy, timeout_seconds=None) or verify(gy, gx, timeout_seconds=None))
+    return _symmetric_verify(list(px), list(py))
+
+
+def _symmetric_verify(gx: list[Any], gy: list[Any]) -> bool:
+    """math-verify's `verify` made symmetric without merging what either order tells apart.
+
+    `verify(gold, pred)` is one-sided on purpose: it reads a predicted equation by its right
+    side only (so pred ``a + 3z = 0`` "equals" gold ``0``) and a predicted set against a gold
+    tuple as a set (``\\{1, 3\\}`` "equals" ``(3, 1)``). Clustering needs a symmetric relation
+    that never merges distinct answers, so both orders must agree; the one exception is an
+    inequality against a set or interval (``0 < x < 1`` and ``(0, 1)``), which math-verify only
+    compares with the inequality as gold. An equation thus equals a bare value only where
+    math-verify reads it as an assignment in both orders: a left side of symbols alone
+    (``x = 5``, ``f(x) = 1``, ``(p, q) = (3, 2)``, and so ``a + b = 0`` against ``0``).
+    """
+    from math_verify import verify
+
+    forward = verify(gx, gy, timeout_seconds=None)
+    if forward == verify(gy, gx, timeout_seconds=None):
+        return bool(forward)
+    return _inequality_and_set(gx[0], gy[0]) or _inequality_and_set(gy[0], gx[0])
+
+
+def _inequality_and_set(a: Any, b: Any) -> bool:
+    """`a` an inequality (or a chain of them, not an equation or a membership), `b` a set."""
+    import sympy
+    from math_verify.grader import is_equation, is_relation
+
+    return is_relation(a) and not is_equation(a) and isinstance(b, sympy.Set)
 
 
 def _sympy_value(parsed: Any, exact: Fraction | None) -> Any:
@@ -127,7 +152,8 @@ def _sympy_numbers_equal(a: Any, a_ulp: Fraction | None, b: Any, b_ulp: Fraction
 
     a, b = _exact_sympy(a), _exact_sympy(b)
     if not (a.is_finite and b.is_finite):  # infinities, nan, or finiteness unknown
-        return bool(a == b)
+        # only a signed infinity equals itself: `12:00` and `1:00` both read as 1/0 (zoo)
+        return bool(a == b) and a.is_extended_real is True
     if a.is_Rational and b.is_Rational:
         return values_match(
             Fraction(int(a.p), int(a.q)), a_ulp, Fraction(int(b.p), int(b.q)), b_ulp
