@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from omgrpo.core.answers import cluster
+from omgrpo.core.answers import Grader, cluster
 from omgrpo.generation.engine import decode, prefix_tree_forward, stop_token_ids
 from omgrpo.tasks import render_prompt
 
@@ -138,6 +138,7 @@ class CarResult:
         self,
         rollout_answers: Sequence[Sequence[str | None]],
         correct: Sequence[Sequence[bool | None]],
+        grader: Grader | None = None,
     ) -> dict[str, float]:
         """`car_diagnostics` of this result, with its unclosed / truncated counters."""
         return car_diagnostics(
@@ -147,6 +148,7 @@ class CarResult:
             correct,
             unclosed=self.unclosed,
             truncated=self.truncated,
+            grader=grader,
         )
 
 
@@ -455,12 +457,13 @@ def car_diagnostics(
     *,
     unclosed: int | None = None,
     truncated: int | None = None,
+    grader: Grader | None = None,
 ) -> dict[str, float]:
     """CAR's mechanistic diagnostics over one step's groups (paper appendix, "Mechanistic
     Analysis of CAR"); labels enter only through `correct[g][i]` (None: unlabelled).
 
     Answers are compared by equivalence class (`omgrpo.core.answers.cluster` over each group's
-    rollout and pair answers). A pair "picks" solution 1 (2) when its answer is equivalent to
+    rollout and pair answers, with the step's `grader`; default: a fresh `Grader`). A pair "picks" solution 1 (2) when its answer is equivalent to
     z_i (z_j); pairs whose answer is None are left out of every share.
 
     - `car/position_bias`: pairs whose solutions have different answers (both present) and
@@ -484,9 +487,10 @@ def car_diagnostics(
     wrong_first = [0, 0]
     entropy: dict[bool, list[float]] = {True: [], False: []}
     pool_sizes, num_pairs = [], 0
+    grader = grader if grader is not None else Grader()
     for ps, answers, z, ok in zip(pairs, pair_answers, rollout_answers, correct):
         G = len(z)
-        ids = cluster(list(z) + list(answers))
+        ids = cluster(list(z) + list(answers), grader)
         rc, pc = ids[:G], ids[G:]
         num_pairs += len(ps)
         pool_sizes.append(G + sum(c is not None for c in pc))
@@ -525,11 +529,13 @@ def car_diagnostics(
     }
 
 
-def _top_vote_hit(answers: Sequence[str | None], pool: Sequence[str | None], label: str) -> bool:
+def _top_vote_hit(
+    answers: Sequence[str | None], pool: Sequence[str | None], label: str, grader: Grader
+) -> bool:
     """Whether the most frequent answer class of answers + pool is equivalent to the label
     (ties: the class seen first, as `omgrpo.core.rewards.majority_class`)."""
     voters = list(answers) + list(pool)
-    ids = cluster([*voters, label])  # the label comes last, so it never changes voter ids
+    ids = cluster([*voters, label], grader)  # the label comes last, so it never changes voter ids
     counts = Counter(c for c in ids[:-1] if c is not None)
     return bool(counts) and counts.most_common(1)[0][0] == ids[-1]
 
@@ -538,19 +544,21 @@ def top_vote_acc(
     groups_with_pool: Sequence[tuple[Sequence[str | None], Sequence[str | None] | None]],
     labels: Sequence[str | None],
     use_pool: bool = True,
+    grader: Grader | None = None,
 ) -> float:
     """Share of labelled groups whose majority answer is correct.
 
     `groups_with_pool`: (rollout answers, CAR pair answers or None) per group; with `use_pool`
     the vote runs over the augmented pool, without it over the rollouts only. NaN when no
-    group has a label.
+    group has a label. `grader`: the step's (default: a fresh `Grader`).
     """
+    grader = grader if grader is not None else Grader()
     hits, labelled = 0, 0
     for (answers, pool), label in zip(groups_with_pool, labels):
         if label is None:
             continue
         labelled += 1
-        hits += _top_vote_hit(answers, (pool or []) if use_pool else [], label)
+        hits += _top_vote_hit(answers, (pool or []) if use_pool else [], label, grader)
     return _share(hits, labelled)
 
 
@@ -558,11 +566,13 @@ def top_vote_metrics(
     rollout_answers: Sequence[Sequence[str | None]],
     pair_answers: Sequence[Sequence[str | None]],
     labels: Sequence[str | None],
+    grader: Grader | None = None,
 ) -> dict[str, float]:
     """`answers/top_vote_acc` over the CAR-augmented pool and `car/top_vote_acc_without_car`
-    over the rollouts alone (labels diagnose only)."""
+    over the rollouts alone (labels diagnose only), with the step's `grader`."""
     groups = list(zip(rollout_answers, pair_answers))
+    grader = grader if grader is not None else Grader()
     return {
-        "answers/top_vote_acc": top_vote_acc(groups, labels, use_pool=True),
-        "car/top_vote_acc_without_car": top_vote_acc(groups, labels, use_pool=False),
+        "answers/top_vote_acc": top_vote_acc(groups, labels, True, grader),
+        "car/top_vote_acc_without_car": top_vote_acc(groups, labels, False, grader),
     }

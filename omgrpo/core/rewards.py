@@ -15,19 +15,19 @@ total and every part so each is logged as `reward/<part>`.
 | coreward        | 1 if z_i matches the majority answer of the paraphrased question's group |
 
 A rollout without an extracted answer casts no vote and gets 0 from every vote-based reward and
-from `format`; it never raises. Answers are compared with `omgrpo.core.answers` (exact equivalence);
-all comparisons draw from the active `GradingBudget`, which the trainer sets once per step.
+from `format`; it never raises. Answers are compared with `omgrpo.core.answers` (exact equivalence)
+under the `Grader` passed to `make_group` (the stage's: one per training step).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from omgrpo.core.answers import cluster, equivalent
+from omgrpo.core.answers import Grader, cluster, equivalent
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class RewardGroup:
     """Per-rollout mean token entropy on the answer span (None: no answer)."""
     max_entropy: float = 0.0
     """log(vocab size): the entropy given to rollouts without an answer span."""
+    grader: Grader = field(default_factory=Grader, repr=False, compare=False)
+    """The grader the classes were built with (`gt` compares answers to the label with it)."""
 
     @property
     def size(self) -> int:
@@ -68,12 +70,15 @@ def make_group(
     self_certainty: Sequence[float] | None = None,
     answer_entropy: Sequence[float | None] | None = None,
     max_entropy: float = 0.0,
+    grader: Grader | None = None,
 ) -> RewardGroup:
-    """Cluster the group's answers, the pool and the partner answers in one id space."""
+    """Cluster the group's answers, the pool and the partner answers in one id space, with the
+    stage's `grader` (default: a fresh default `Grader` for this group alone)."""
+    grader = grader if grader is not None else Grader()
     answers = list(answers)
     pool = list(pool) if pool is not None else None
     partner = list(partner) if partner is not None else None
-    ids = cluster(answers + (pool or []) + (partner or []))
+    ids = cluster(answers + (pool or []) + (partner or []), grader)
     g, p = len(answers), len(pool or [])
     return RewardGroup(
         answers=answers,
@@ -84,6 +89,7 @@ def make_group(
         self_certainty=list(self_certainty) if self_certainty is not None else None,
         answer_entropy=list(answer_entropy) if answer_entropy is not None else None,
         max_entropy=max_entropy,
+        grader=grader,
     )
 
 
@@ -123,7 +129,9 @@ def gt_reward(group: RewardGroup) -> list[float]:
     """
     if group.label is None:
         raise ValueError("reward 'gt' needs labels, but this problem has none")
-    return [float(a is not None and equivalent(a, group.label)) for a in group.answers]
+    return [
+        float(a is not None and equivalent(a, group.label, group.grader)) for a in group.answers
+    ]
 
 
 @register_reward("majority_vote")

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omgrpo.core.answers import equivalent, extract_boxed
+from omgrpo.core.answers import Grader, equivalent, extract_boxed
 from omgrpo.core.car import CarResult, top_vote_metrics
 from omgrpo.core.diagnostics import (
     answer_diagnostics,
@@ -110,6 +110,7 @@ class StepBatch:
     advantages: torch.Tensor | None  # (B,) float32 GRPO advantage A_i; None in verl's driver
     format_advantages: torch.Tensor | None = None  # (B,) format-only: answer tokens' advantage
     car: CarResult | None = None  # CAR's pair answers per group (extra voters, never trained)
+    grader: Grader | None = None  # the step's grader (CAR diagnostics re-cluster with it)
 
     def per_group(self, values: list) -> list[list]:
         """(B,) values as P lists, one per group."""
@@ -128,11 +129,11 @@ def extract_answer(text: str) -> str | None:
     return boxed.content if boxed is not None else None
 
 
-def is_correct(answer: str | None, label: str | None) -> bool | None:
+def is_correct(answer: str | None, label: str | None, grader: Grader) -> bool | None:
     """Whether an answer is equivalent to the label; None without a label (diagnostics only)."""
     if label is None:
         return None
-    return answer is not None and equivalent(answer, label)
+    return answer is not None and equivalent(answer, label, grader)
 
 
 def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> Responses:
@@ -180,6 +181,7 @@ def score_step(
     *,
     car: CarResult | None = None,
     stats: dict[str, torch.Tensor] | None = None,
+    grader: Grader | None = None,
 ) -> StepBatch:
     """Score a step's rollouts (rollouts of a prompt contiguous, G = B / len(problems)).
 
@@ -193,13 +195,15 @@ def score_step(
         car: CAR's pair answers per prompt; they join the soft-vote pool.
         stats: the policy's per-token `entropy` and `self_certainty` (B, T), for the rewards
             that read them.
+        grader: the step's `Grader` (its budget is spent here); default: a fresh one from
+            `cfg.reward`.
     """
+    grader = grader if grader is not None else Grader.from_config(cfg.reward)
     responses = decode_responses(tokenizer, response_ids, response_mask)
     answers = responses.answers
     G = len(answers) // len(problems)
-    groups = _reward_groups(
-        problems, responses, G, len(tokenizer), stats, car, "coreward" in cfg.reward.parts
-    )
+    coreward = "coreward" in cfg.reward.parts
+    groups = _reward_groups(problems, responses, G, len(tokenizer), stats, car, coreward, grader)
     rewards, parts = compute_rewards(groups, list(cfg.reward.parts), dict(cfg.reward.weights))
     group_ids = torch.arange(len(problems)).repeat_interleave(G)
     eps = cfg.algorithm.adv_eps
@@ -213,17 +217,22 @@ def score_step(
         group_ids=group_ids,
         responses=responses,
         answers=answers,
-        correct=[is_correct(a, problems[g].answer) for a, g in zip(answers, group_ids.tolist())],
+        correct=[
+            is_correct(a, problems[g].answer, grader) for a, g in zip(answers, group_ids.tolist())
+        ],
         groups=groups,
         reward_parts=parts,
         rewards=rewards,
         advantages=advantages,
         format_advantages=format_adv,
         car=car,
+        grader=grader,
     )
 
 
-def _reward_groups(problems, responses, G, vocab, stats, car, coreward) -> list[RewardGroup]:
+def _reward_groups(
+    problems, responses, G, vocab, stats, car, coreward, grader
+) -> list[RewardGroup]:
     """One RewardGroup per prompt (CoReward pairs prompt g with its paraphrase g +- P/2; CAR's
     pair answers, when given, join group g's soft-vote pool)."""
     per_prompt = [responses.answers[g * G : (g + 1) * G] for g in range(len(problems))]
@@ -252,6 +261,7 @@ def _reward_groups(problems, responses, G, vocab, stats, car, coreward) -> list[
                 self_certainty=certainty[sl] if certainty else None,
                 answer_entropy=entropy[sl] if entropy else None,
                 max_entropy=math.log(vocab),
+                grader=grader,
             )
         )
     return groups
@@ -281,9 +291,9 @@ def step_metrics(
     }
     if batch.car is not None:
         answers = batch.per_group(batch.answers)
-        metrics.update(batch.car.diagnostics(answers, correct))
+        metrics.update(batch.car.diagnostics(answers, correct, batch.grader))
         labels = [p.answer for p in batch.prompts]
-        metrics.update(top_vote_metrics(answers, batch.car.answers, labels))
+        metrics.update(top_vote_metrics(answers, batch.car.answers, labels, batch.grader))
     if batch.responses is not None:
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())

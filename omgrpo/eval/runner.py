@@ -30,6 +30,7 @@ import pandas as pd
 import torch
 
 from omgrpo.core import answers as grader
+from omgrpo.core.answers import Grader
 from omgrpo.eval.checkpoints import Choice, choose_checkpoint
 from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
@@ -66,14 +67,16 @@ def resolve_target(path: str | Path) -> Target:
 
 
 def grader_version() -> dict[str, Any]:
-    """The grader's declared version (if any) and a hash of its source, so summaries graded by
-    different code are told apart."""
-    source = Path(grader.__file__).read_bytes()
+    """The grader's declared version (if any) and a hash of its package's source, so summaries
+    graded by different code are told apart."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(grader.__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
     return {
         "module": "omgrpo.core.answers",
         "version": getattr(grader, "GRADER_VERSION", None),
-        "source_sha256": hashlib.sha256(source).hexdigest()[:16],
-        "math_verify": bool(getattr(grader, "_MATH_VERIFY_ENABLED", True)),
+        "source_sha256": digest.hexdigest()[:16],
+        "math_verify": Grader().math_verify,
     }
 
 
@@ -164,7 +167,8 @@ def sample_and_grade(
     progress: Callable[[int, int], None] = lambda done, total: None,
 ) -> pd.DataFrame:
     """One row per sample: the response, its boxed answer, whether it equals the gold answer
-    (`omgrpo.core.answers.equivalent`) and its answer class among the problem's k samples."""
+    (`omgrpo.core.answers.equivalent`) and its answer class among the problem's k samples.
+    Each problem is graded by its own default `Grader` (its own time budget)."""
     rows = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
@@ -173,7 +177,8 @@ def sample_and_grade(
             for problem, texts in zip(chunk, sampler.generate(chunk, spec)):
                 boxed = [grader.extract_boxed(t) for t in texts]
                 found = [b.content if b else None for b in boxed]
-                classes = grader.cluster(found)
+                judge = Grader()
+                classes = grader.cluster(found, judge)
                 for i, (text, answer, cls) in enumerate(zip(texts, found, classes)):
                     rows.append(
                         {
@@ -184,7 +189,7 @@ def sample_and_grade(
                             "answer": answer,
                             "gold": problem.answer,
                             "correct": answer is not None
-                            and grader.equivalent(answer, problem.answer),
+                            and grader.equivalent(answer, problem.answer, judge),
                             "answer_class": cls,
                         }
                     )

@@ -7,15 +7,16 @@ import time
 
 import pytest
 
-from omgrpo.core import answers
 from omgrpo.core.answers import (
     Boxed,
+    Grader,
     cluster,
     equivalent,
     extract_boxed,
     normalize,
-    set_math_verify,
 )
+from omgrpo.core.answers import grading as grading_module
+from omgrpo.core.answers import worker as worker_module
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -208,61 +209,60 @@ def test_normalize_non_str_does_not_raise() -> None:
     ],
 )
 def test_equivalent(a: str, b: str, expected: bool) -> None:
-    assert equivalent(a, b) is expected
-    assert equivalent(b, a) is expected
+    assert equivalent(a, b, Grader()) is expected
+    assert equivalent(b, a, Grader()) is expected
 
 
 def test_pair_timeout_may_be_a_float() -> None:
     # A float timeout (as YAML gives) must reach the worker and work.
-    with answers.grading_budget(seconds=10, pair_timeout=2.5) as budget:
-        assert equivalent("\\sqrt{8}", "2\\sqrt{2}") is True
-        assert equivalent("\\sqrt{8}", "3\\sqrt{2}") is False
-    assert budget.timeouts == 0
+    grader = Grader(budget_s=10, pair_timeout=2.5)
+    assert equivalent("\\sqrt{8}", "2\\sqrt{2}", grader) is True
+    assert equivalent("\\sqrt{8}", "3\\sqrt{2}", grader) is False
+    assert grader.timeouts == 0
 
 
-def test_set_math_verify_switch() -> None:
+def test_math_verify_switch_is_the_graders() -> None:
     a, b = "\\sqrt{12}", "2\\sqrt{3}"  # only the math-verify fallback can match these
-    try:
-        set_math_verify(False)
-        assert equivalent(a, b) is False
-        assert equivalent("2", "2.0") is True  # non-fallback paths unaffected
-        assert equivalent("0.5", "\\frac12") is True
-    finally:
-        set_math_verify(True)
-    assert equivalent(a, b) is True
+    off = Grader(math_verify=False)
+    assert equivalent(a, b, off) is False
+    assert equivalent("2", "2.0", off) is True  # non-fallback paths unaffected
+    assert equivalent("0.5", "\\frac12", off) is True
+    assert cluster([a, b], off) == [0, 1]
+    assert equivalent(a, b, Grader()) is True  # another stage's grader is not affected
+    assert cluster([a, b], Grader()) == [0, 0]
 
 
 def test_equivalent_never_raises() -> None:
-    assert equivalent("\\frac{", "}}}") is False
-    assert equivalent("1/0", "\\frac{1}{0}") is True  # same normal form
-    assert equivalent("", "5") is False
+    assert equivalent("\\frac{", "}}}", Grader()) is False
+    assert equivalent("1/0", "\\frac{1}{0}", Grader()) is True  # same normal form
+    assert equivalent("", "5", Grader()) is False
 
 
 # ------------------------------------------------------------------------------- clustering
 
 
 def test_cluster_spec_example() -> None:
-    assert cluster(["2", "3", "2.0", None, "\\frac{4}{2}"]) == [0, 1, 0, None, 0]
+    assert cluster(["2", "3", "2.0", None, "\\frac{4}{2}"], Grader()) == [0, 1, 0, None, 0]
 
 
 def test_cluster_group_with_none_and_spellings() -> None:
     group = [None, "\\frac12", "0.5", "x = 1/2", None, "\\dfrac{1}{2}", "1", "1.00", "\\text{A}"]
-    assert cluster(group) == [None, 0, 0, 0, None, 0, 1, 1, 2]
-    assert cluster([]) == []
-    assert cluster([None, None]) == [None, None]
+    assert cluster(group, Grader()) == [None, 0, 0, 0, None, 0, 1, 1, 2]
+    assert cluster([], Grader()) == []
+    assert cluster([None, None], Grader()) == [None, None]
 
 
 # Last on purpose: killing the worker makes the next math-verify call wait for a respawn.
 def test_math_verify_worker_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(answers, "_mv_worker", _sleepy_worker)
-    monkeypatch.setattr(answers, "_PAIR_CACHE", {})
-    budget = answers.GradingBudget(seconds=30, pair_timeout=1)
+    monkeypatch.setattr(worker_module, "mv_worker", _sleepy_worker)
+    monkeypatch.setattr(worker_module, "_PAIR_CACHE", {})
+    grader = Grader(budget_s=30, pair_timeout=1)
     t0 = time.perf_counter()
-    assert answers._equal("a", "b", budget) is False
+    assert grading_module._equal("a", "b", grader) is False
     assert time.perf_counter() - t0 < 5
-    assert budget.timeouts == 1
-    assert answers._equal("a", "b", budget) is False  # a full timeout is remembered, not retried
-    assert budget.timeouts == 2 and time.perf_counter() - t0 < 5
+    assert grader.timeouts == 1
+    assert grading_module._equal("a", "b", grader) is False  # a full timeout is not retried
+    assert grader.timeouts == 2 and time.perf_counter() - t0 < 5
 
 
 def _sleepy_worker(x: object, y: object) -> bool:
@@ -274,13 +274,13 @@ def test_plain_arithmetic_never_reaches_the_worker(monkeypatch: pytest.MonkeyPat
     def no_pool() -> None:
         raise AssertionError("the worker was asked")
 
-    monkeypatch.setattr(answers, "_get_pool", no_pool)
-    assert equivalent("1-19+19", "1")
-    assert not equivalent("3+4", "8")
-    assert equivalent("2^{10}", "1024")
-    assert not equivalent("2^{100}", "2^{100}+1")
+    monkeypatch.setattr(worker_module, "get_pool", no_pool)
+    assert equivalent("1-19+19", "1", Grader())
+    assert not equivalent("3+4", "8", Grader())
+    assert equivalent("2^{10}", "1024", Grader())
+    assert not equivalent("2^{100}", "2^{100}+1", Grader())
 
 
 def test_symbols_never_equal_a_number() -> None:
-    assert not equivalent("9ns", "9")
-    assert not equivalent("1oxe2Z9", "12")
+    assert not equivalent("9ns", "9", Grader())
+    assert not equivalent("1oxe2Z9", "12", Grader())

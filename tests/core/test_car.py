@@ -2,6 +2,7 @@
 generation against the plain path, diagnostics, and the never-trained-on contract."""
 
 import dataclasses
+import functools
 import math
 import random
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from omgrpo.core import answers as answers_module
+from omgrpo.core import car as car_module
+from omgrpo.core import rewards as rewards_module
+from omgrpo.core.answers import Grader
 from omgrpo.core.car import (
     CarConfig,
     CarResult,
@@ -40,8 +43,11 @@ SOLUTIONS = [
 
 @pytest.fixture(autouse=True)
 def _no_math_verify(monkeypatch):
-    # Every equivalence here is decided by normalisation / numbers; skip the worker process.
-    monkeypatch.setattr(answers_module, "_MATH_VERIFY_ENABLED", False)
+    # Every equivalence here is decided by normalisation / numbers; skip the worker process
+    # (the default graders of the functions under test, built without math-verify).
+    no_mv = functools.partial(Grader, math_verify=False)
+    monkeypatch.setattr(car_module, "Grader", no_mv)
+    monkeypatch.setattr(rewards_module, "Grader", no_mv)
 
 
 def _toy(num_layers: int, seed: int, num_heads: int = 2, num_kv_heads: int = 1):

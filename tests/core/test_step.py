@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omgrpo.config import compose
-from omgrpo.core.answers import extract_boxed
+from omgrpo.core.answers import Grader, extract_boxed
 from omgrpo.core.car import CarResult
 from omgrpo.core.spans import answer_mask_for_ids, response_offsets, span_token_mask
 from omgrpo.core.step import LoopState, decode_responses, is_correct, score_step, step_metrics
@@ -98,9 +98,10 @@ def test_car_answers_join_the_pool_and_the_metrics(tok):
 
 
 def test_is_correct_is_a_diagnostic_of_labelled_answers():
-    assert is_correct("0.5", "\\frac{1}{2}") is True
-    assert is_correct(None, "4") is False
-    assert is_correct("4", None) is None
+    grader = Grader()
+    assert is_correct("0.5", "\\frac{1}{2}", grader) is True
+    assert is_correct(None, "4", grader) is False
+    assert is_correct("4", None, grader) is None
 
 
 def test_token_roles_of_a_worked_response(tok):

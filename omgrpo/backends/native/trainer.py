@@ -43,13 +43,7 @@ from omgrpo.backends.native.checkpoint import (
 )
 from omgrpo.config import to_container, validate_algorithm
 from omgrpo.console import TRAIN_FIELDS, Progress
-from omgrpo.core.answers import (
-    GradingBudget,
-    grading_scope,
-    set_math_verify,
-    start_grader_warm_up,
-    use_grading_budget,
-)
+from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult, generate_pair_answers
 from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
 from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
@@ -154,8 +148,7 @@ def _train(cfg: DictConfig, stop_after: int | None) -> Path:
     detector = CollapseDetector(c.max_unique_per_prompt, c.min_mode_share, c.patience)
     detector.state = state.collapse  # the same dict: checkpoints see its updates
     tracker = start_tracker(run, resume_step=state.step if state.step > 0 else None)
-    # the tracker ends its runs as finished / failed / killed; per-step grading budgets end too
-    with tracker, grading_scope():
+    with tracker:  # the tracker ends its runs as finished / failed / killed
         console = Progress(
             cfg.run.name,
             run.total_steps,
@@ -207,10 +200,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     `trainer.max_consecutive_skips` non-finite steps in a row."""
     cfg, policy = run.cfg, run.policy
     timer = StageTimer(run.device)
-    # all of this step's answer comparisons share one budget (omgrpo.core.answers)
-    grading = use_grading_budget(
-        GradingBudget(cfg.reward.grading_budget_s, cfg.reward.equivalence_timeout)
-    )
+    grading = Grader.from_config(cfg.reward)  # this step's answer comparisons share its budget
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if "coreward" in cfg.reward.parts:  # the paraphrases too; group g's partner is g +- P
@@ -241,6 +231,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             cfg,
             car=car,
             stats=stats,
+            grader=grading,
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -342,9 +333,7 @@ def setup(cfg: DictConfig) -> Run:
         )
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
-    set_math_verify(cfg.reward.math_verify)
-    if cfg.reward.math_verify:
-        start_grader_warm_up()  # imports sympy / math-verify while the models load
+    Grader.from_config(cfg.reward).warm_up()  # imports sympy / math-verify while models load
     splits = load_task(cfg.task)
     base = base_model_dir(cfg.model, cfg.task, splits)
     device = resolve_device(cfg.model.device)
@@ -643,8 +632,13 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         )
     responses = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask)
     answers = responses.answers
-    groups = [make_group(a, label=p.answer) for a, p in zip(_chunks(answers, k), problems)]
-    correct = [[bool(is_correct(a, p.answer)) for a in g.answers] for g, p in zip(groups, problems)]
+    grader = Grader.from_config(cfg.reward)  # its own budget: never what a step left over
+    groups = [
+        make_group(a, label=p.answer, grader=grader) for a, p in zip(_chunks(answers, k), problems)
+    ]
+    correct = [
+        [bool(is_correct(a, p.answer, grader)) for a in g.answers] for g, p in zip(groups, problems)
+    ]
     by_difficulty = {}
     difficulties = [p.meta.get("difficulty") for p in problems]
     if all(difficulties):  # toy problems: accuracy and guessing by difficulty

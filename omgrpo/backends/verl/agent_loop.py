@@ -40,7 +40,7 @@ from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.reward import label_of, pred_of
-from omgrpo.core.answers import grading_budget, set_math_verify
+from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult, car_text, enumerate_pairs, parse_pair_answer
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import StepBatch, score_step
@@ -135,7 +135,6 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         self.omgrpo = section(self.config)
         self._groups: dict[str, _Group] = {}
         self._warned_no_index = False
-        set_math_verify(bool(self.omgrpo.reward.math_verify))
 
     async def _run_prompt(
         self, prompt: dict, sampling_params: dict, trajectory: dict, trace: bool = False
@@ -353,10 +352,9 @@ def score_group(
     (`omgrpo.reward.grading_budget_s`: groups are scored concurrently in the agent-loop
     workers, so each has its own); returns the scored group and the comparisons it left
     undecided (`answers/grading_timeouts`)."""
-    budget_s, pair_timeout = float(om.reward.grading_budget_s), float(om.reward.equivalence_timeout)
-    with grading_budget(budget_s, pair_timeout) as budget:
-        batch = score_step(tokenizer, ids, mask, [problem], om, car=car)
-    return batch, budget.timeouts
+    grader = Grader.from_config(om.reward)
+    batch = score_step(tokenizer, ids, mask, [problem], om, car=car, grader=grader)
+    return batch, grader.timeouts
 
 
 def _plain(value: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
 from omgrpo.core.rewards import make_group
 from omgrpo.core.step import LoopState, StepBatch
@@ -34,7 +35,10 @@ def _group_rows(uids: Sequence[Any], records: Sequence[dict]) -> list[list[int]]
 
 
 def batch_from_records(
-    uids: Sequence[Any], records: Sequence[dict], rewards: Sequence[float]
+    uids: Sequence[Any],
+    records: Sequence[dict],
+    rewards: Sequence[float],
+    grader: Grader | None = None,
 ) -> StepBatch:
     """The step's rollouts as a `StepBatch` (group order), from the agent loop's records.
 
@@ -55,7 +59,9 @@ def batch_from_records(
             pool = [a for i in g for a in records[i]["car"]["answers"]]
             pair_answers.append(pool)
         groups.append(
-            make_group([records[i]["answer"] for i in g], label=first["label"], pool=pool)
+            make_group(
+                [records[i]["answer"] for i in g], label=first["label"], pool=pool, grader=grader
+            )
         )
     car = None
     if has_car:
@@ -81,6 +87,7 @@ def batch_from_records(
         rewards=np.asarray([rewards[i] for i in order], dtype=np.float64),
         advantages=None,
         car=car,
+        grader=grader,
     )
 
 
@@ -91,6 +98,7 @@ def step_metrics(
     *,
     confident_share: float,
     state: LoopState,
+    grader: Grader | None = None,
 ) -> dict[str, float]:
     """Diagnostics of one step's rollouts (`omgrpo.core.step.step_metrics`).
 
@@ -100,6 +108,7 @@ def step_metrics(
         rewards: each rollout's total reward (`rm_scores` summed).
         confident_share: `omgrpo.collapse.confident_share`.
         state: the trainer's loop state (`last_majority` is updated: label flips).
+        grader: the driver's `Grader` for re-clustering the groups (`omgrpo.reward`).
 
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
@@ -109,7 +118,8 @@ def step_metrics(
     """
     if not records:
         return {}
-    metrics = batch_metrics(batch_from_records(uids, records, rewards), state, confident_share)
+    batch = batch_from_records(uids, records, rewards, grader or Grader())
+    metrics = batch_metrics(batch, state, confident_share)
     metrics.pop("answers/batch_mode")  # a string: verl's loggers take numbers
     rows = _group_rows(uids, records)
     # each group was graded within its own budget (the agent loop); its count is on every row

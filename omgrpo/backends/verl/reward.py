@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omgrpo.core.answers import normalize, set_math_verify
+from omgrpo.core.answers import Grader, normalize
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import extract_answer, is_correct
 
@@ -50,13 +50,12 @@ def compute_score(
     reads the label, so a run that falls back to per-sample scoring stays label-free.
     `math_verify` (`omgrpo.reward.math_verify`, passed by the presets through
     `reward.custom_reward_function.reward_kwargs`) switches the equivalence fallback of `acc`
-    in this process; None leaves it as it is.
+    for this call (None: on, the default). Each call grades with its own default budget.
     """
-    if math_verify is not None:
-        set_math_verify(bool(math_verify))
+    grader = Grader(math_verify=True if math_verify is None else bool(math_verify))
     answer = extract_answer(solution_str or "")
     fmt = format_score(answer)
-    acc = float(bool(is_correct(answer, label_of(ground_truth))))
+    acc = float(bool(is_correct(answer, label_of(ground_truth), grader)))
     return {"score": fmt, "format": fmt, "acc": acc, "pred": pred_of(answer)}
 
 

@@ -16,8 +16,8 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
 - with `omgrpo.collapse.stop`, ends training after the step in which collapse is detected
   (the step is logged; verl's loop then exits as after its last step, without an extra
   checkpoint or validation: the native trainer's `collapsed` stop);
-- applies `omgrpo.reward.math_verify` in the driver (the agent-loop workers and verl's reward
-  workers apply it too).
+- grades with `omgrpo.reward` (budget, math-verify on/off) in the driver's metrics, as the
+  agent-loop workers and verl's reward workers do (a `Grader` per stage, nothing process-wide).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from omgrpo.backends.verl.advantage import weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
-from omgrpo.core.answers import set_math_verify
+from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.step import LoopState
 
@@ -87,7 +87,6 @@ class OmgrpoTrainer(PPOTrainerSync):
         if is_distillation_enabled(config.get("distillation")):
             raise ValueError("the omgrpo trainer replaces ppo_loss: disable distillation")
         self.omgrpo = section(config)
-        set_math_verify(bool(self.omgrpo.reward.math_verify))
         self._loop = LoopState()  # label flips and collapse across steps, as the native loop
         collapse = self.omgrpo.collapse
         self._collapse = CollapseDetector(
@@ -179,6 +178,7 @@ class OmgrpoTrainer(PPOTrainerSync):
             rewards,
             confident_share=float(self.omgrpo.collapse.confident_share),
             state=self._loop,
+            grader=Grader.from_config(self.omgrpo.reward),
         )
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch) -> None:

@@ -28,7 +28,7 @@ from omgrpo.backends.verl.config import (
 from omgrpo.backends.verl.launch import check_verl
 from omgrpo.backends.verl.loss import omgrpo_ppo_loss
 from omgrpo.backends.verl.trainer import OmgrpoTrainer, validation_aliases
-from omgrpo.core import answers
+from omgrpo.core.answers import Grader
 
 PRESETS = ["paper_llama3p2_3b", "paper_qwen2p5_7b", "paper_qwen3_1p7b"]
 LAUNCH = [
@@ -226,12 +226,11 @@ def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     assert OmgrpoTrainer(anchored).make_loss_fn().keywords["answer_weight"] == 1.0
 
 
-def test_math_verify_switch_reaches_driver_and_reward_workers(monkeypatch):
-    monkeypatch.setattr(answers, "_MATH_VERIFY_ENABLED", True)
+def test_math_verify_switch_reaches_driver_and_reward_workers():
     cfg = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "omgrpo.reward.math_verify=false"])
     assert cfg.reward.custom_reward_function.reward_kwargs.math_verify is False
-    OmgrpoTrainer(cfg)
-    assert answers._MATH_VERIFY_ENABLED is False
+    trainer = OmgrpoTrainer(cfg)  # the driver's metrics grade with a Grader from its section
+    assert Grader.from_config(trainer.omgrpo.reward).math_verify is False
 
 
 def test_metric_names():
