@@ -49,7 +49,7 @@ from omgrpo.core.answers import (
     start_grader_warm_up,
     use_grading_budget,
 )
-from omgrpo.core.car import CarResult, generate_pair_answers
+from omgrpo.core.car import CarResult
 from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
 from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
 from omgrpo.core.rewards import get_reward, make_group
@@ -61,6 +61,7 @@ from omgrpo.core.step import (
     score_step,
     step_metrics,
 )
+from omgrpo.generation.car import generate_pair_answers
 from omgrpo.generation.rollout import Sequences, response_logits, sample, score, stop_token_ids
 from omgrpo.models.loading import (
     base_model_dir,
