@@ -273,6 +273,20 @@ def is_guess(text: str, answer: str | None) -> bool:
     return computed is None or normalize(answer) != computed
 
 
+@dataclass(frozen=True)
+class ToyProbe:
+    """The toy world's `omgrpo.tasks.base.TaskProbe`: the computed lines `a op b = c` give the
+    `result` role and the guess diagnostics; `peak` is the guess prior's peak."""
+
+    peak: str | None = None
+
+    def result_span(self, text: str) -> tuple[int, int] | None:
+        return last_result_span(text)
+
+    def is_guess(self, text: str, answer: str | None) -> bool:
+        return is_guess(text, answer)
+
+
 def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:
     """A plausible wrong worked solution: one line's result is off by a small amount and the
     later lines carry the error forward correctly, as a model's own slip would. Returns None if

@@ -70,7 +70,14 @@ from omgrpo.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
+from omgrpo.tasks import (
+    TASKS,
+    Problem,
+    PromptEncoder,
+    check_prompt_lengths,
+    load_task,
+    task_probe,
+)
 from omgrpo.tracking.store import RunStore
 from omgrpo.tracking.trackers import build_trackers
 
@@ -231,6 +238,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             cfg,
             car=car,
             stats=stats,
+            probe=task_probe(cfg.task),
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -260,7 +268,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     metrics = {
         "train/epoch": (state.step - 1) // run.steps_per_epoch,
         "train/skipped_steps": state.skipped,
-        **step_metrics(batch, state, cfg.collapse.confident_share, _peak(cfg)),
+        **step_metrics(batch, state, cfg.collapse.confident_share, task_probe(cfg.task)),
         **update,
         **probe,
         "lr": run.scheduler.get_last_lr()[0],
@@ -641,7 +649,7 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
             by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
         per_rollout = [d for d in difficulties for _ in range(k)]
         by_difficulty.update(
-            guess_diagnostics(responses.texts, answers, per_rollout, _peak(cfg), prefix="val")
+            guess_diagnostics(responses.texts, answers, per_rollout, task_probe(cfg.task), "val")
         )
     return {
         **by_difficulty,
@@ -653,12 +661,6 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         "val/extract_rate": float(np.mean([a is not None for a in answers])),
         **recovery_metrics(correct, recovery),
     }
-
-
-def _peak(cfg) -> str | None:
-    """The toy world's guess-prior peak (the paper's collapse answer "1"), whose batch share is
-    a diagnostic in every toy world; None for other tasks."""
-    return str(cfg.task.guess_peak) if cfg.task.name == "toy" else None
 
 
 def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:
