@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.core.car import CarConfig
 from omgrpo.core.losses import AGG_MODES
+from omgrpo.tasks.toy import ToyWorldSpec
 from omgrpo.tracking import TrackingConfig
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
@@ -37,7 +38,9 @@ class RunConfig:
 
 
 @dataclass
-class TaskConfig:
+class _TaskHead:
+    """The `task` fields before the toy world's (a base of `TaskConfig`, for the key order)."""
+
     name: str = "toy"
     """Task: `toy` (synthetic arithmetic world, labels known) or `files` (JSONL/Parquet)."""
     ttt: bool = False
@@ -50,40 +53,15 @@ class TaskConfig:
     """Toy: number of validation problems."""
     n_test: int = 256
     """Toy: number of test problems."""
-    min_steps: int = 2
-    """Toy: fewest operations per problem."""
-    max_steps: int = 3
-    """Toy: most operations per problem (harder problems, lower base accuracy)."""
-    max_start: int = 20
-    """Toy: largest starting value."""
-    max_operand: int = 20
-    """Toy: largest operand of + and -."""
-    max_factor: int = 5
-    """Toy: largest multiplier."""
-    max_value: int = 99
-    """Toy: every intermediate value stays in [0, max_value]."""
-    hard_share: float = 0.0
-    """Toy: share of problems from the hard regime (`hard_steps` ops, values <= `hard_max_value`)."""
-    hard_steps: int = 3
-    """Toy: operations per hard problem."""
-    hard_max_start: int = 20
-    """Toy: largest starting value of hard problems."""
-    hard_max_operand: int = 20
-    """Toy: largest operand of + and - in hard problems."""
-    hard_max_factor: int = 5
-    """Toy: largest multiplier in hard problems."""
-    hard_max_value: int = 99
-    """Toy: value range of hard problems."""
-    guess_rate_easy: float = 0.0
-    """Toy shortcut worlds: share of easy SFT solutions that box a guess (docs/toy-worlds.md)."""
-    guess_rate_hard: float = 0.0
-    """Toy shortcut worlds: share of hard SFT solutions that box a guess."""
-    guess_peak: int = 1
-    """Toy shortcut worlds: the guess prior's peak value."""
-    guess_peak_p: float = 0.6
-    """Toy shortcut worlds: P(guess = guess_peak), else uniform; 0 = flat prior."""
-    bare_guess: bool = False
-    """Toy shortcut worlds: a guessed SFT solution is only the boxed sentence, no reasoning."""
+
+
+@dataclass
+class TaskConfig(ToyWorldSpec, _TaskHead):
+    """The `task` section: `_TaskHead`'s fields, the toy world's generator fields inherited
+    from `omgrpo.tasks.toy.ToyWorldSpec` (one declaration of their defaults, which the toy
+    bases' cache keys hash; the keys stay flat: `task.hard_share=0.5`), then the files task's.
+    """
+
     train_path: str | None = None
     """Files: training set (.jsonl/.json/.parquet) with question/answer columns."""
     val_path: str | None = None

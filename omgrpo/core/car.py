@@ -31,16 +31,17 @@ Contracts:
   B = prompts x G rollouts.
 - Rollouts without a boxed answer still take part in pairs (as in the paper): their reasoning is
   shown to the model; they simply cast no vote of their own.
-- A pair answer that never closes its brace within `max_new_tokens` (`car/unclosed`) or is empty
-  is None and casts no vote.
+- A pair answer that never closes its brace within `max_new_tokens` or is empty is None and
+  casts no vote. `car/unclosed` counts only the first kind (the brace never closed: the budget
+  ran out or the model stopped); an empty `\\boxed{}` is closed, counted in `CarResult.empty`.
+  Both backends read a continuation with `read_pair_answer`, so the count means one thing.
 - Each solution is cut to its first `max_solution_tokens` tokens in the prompt (`car/truncated`
   counts the solutions cut).
 
-Cost: the pairs (i, ·) of an anchor share the prompt up to "[Solution 2]\\n", and all pairs of a
-group share the template + question. `generate_pair_answers` runs a prefix tree of KV caches
-(chunk-common prefix -> question -> anchor -> pair tail), so each prefix is computed once, then
-decodes a few tokens for all pairs of a chunk of anchors at once. `generate_pair_answers_plain`
-is the unshared reference (same prompts, same decoding).
+This module is the pure half, shared by both backends: pairs, the prompt (`car_text`), the
+solution cut (`cut_solutions`), parsing (`read_pair_answer`), the pool and diagnostics. The
+native engine's generation is `omgrpo.generation.car.generate_pair_answers`; verl sends the same
+prompts to its rollout servers (`omgrpo.backends.verl.agent_loop`).
 
 Diagnostics (`car_diagnostics`, paper appendix "Mechanistic Analysis of CAR") read the labels
 only to diagnose: position bias, correct-answer selection, incorrect-pair preference and the
@@ -53,14 +54,12 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import Any, NamedTuple
 
 from omgrpo.core.answers import Grader, cluster
-from omgrpo.generation.engine import decode, prefix_tree_forward, stop_token_ids
+from omgrpo.core.means import mean_or_nan, share_or_nan
+from omgrpo.core.rewards import majority_class
 from omgrpo.tasks import render_prompt
 
 __all__ = [
@@ -69,13 +68,15 @@ __all__ = [
     "CAR_OUTRO",
     "CarConfig",
     "CarResult",
+    "PairAnswer",
     "car_diagnostics",
     "car_prompt",
     "car_text",
+    "cut_solutions",
     "enumerate_pairs",
-    "generate_pair_answers",
-    "generate_pair_answers_plain",
     "parse_pair_answer",
+    "read_pair_answer",
+    "scan_braces",
     "top_vote_acc",
     "top_vote_metrics",
 ]
@@ -134,6 +135,13 @@ class CarResult:
     num_pairs: int = 0
     """Pairs compared over all groups."""
 
+    def add(self, g: int, read: PairAnswer, text: str) -> None:
+        """Append one pair's answer (in `pairs[g]` order) and count it as unclosed / empty."""
+        self.answers[g].append(read.answer)
+        self.texts[g].append(text)
+        self.unclosed += not read.closed
+        self.empty += read.closed and read.answer is None
+
     def diagnostics(
         self,
         rollout_answers: Sequence[Sequence[str | None]],
@@ -191,7 +199,7 @@ def car_text(head: str, solution_1: str, solution_2: str) -> str:
     return head + CAR_INTRO + solution_1 + CAR_MIDDLE + solution_2 + CAR_OUTRO
 
 
-def _scan_braces(text: str, depth: int = 0, escaped: bool = False) -> tuple[int, int, bool]:
+def scan_braces(text: str, depth: int = 0, escaped: bool = False) -> tuple[int, int, bool]:
     """Scan `text` for the `}` closing an already opened `{` (nested braces balanced, `\\{` /
     `\\}` escaped as in `omgrpo.core.answers`), continuing from a brace depth and a pending
     backslash. Returns (its index or -1, the depth and the pending backslash after the scan)."""
@@ -209,227 +217,61 @@ def _scan_braces(text: str, depth: int = 0, escaped: bool = False) -> tuple[int,
     return -1, depth, escaped
 
 
-def _scan_close(text: str) -> int:
-    """Index of the `}` closing an already opened `{`, or -1 if it never closes."""
-    return _scan_braces(text)[0]
+class PairAnswer(NamedTuple):
+    """A pair's continuation of the opened `\\boxed{`, read (`read_pair_answer`)."""
+
+    answer: str | None
+    """The boxed content, stripped; None when unclosed or empty (no vote)."""
+    closed: bool
+    """Whether the brace was closed: False is what `car/unclosed` counts."""
+
+
+def read_pair_answer(text: str) -> PairAnswer:
+    """Read a continuation of an opened `\\boxed{` (both backends): the text up to the brace
+    that closes it, stripped, and whether it closed at all."""
+    close = scan_braces(text)[0]
+    if close < 0:
+        return PairAnswer(None, False)
+    return PairAnswer(text[:close].strip() or None, True)
 
 
 def parse_pair_answer(text: str) -> str | None:
-    """The answer in a continuation of an opened `\\boxed{`: the text up to the brace that
-    closes it, stripped; None if it never closes or is empty.
+    """The answer in a continuation of an opened `\\boxed{`; None if it never closes or is
+    empty (`read_pair_answer` tells the two apart).
 
     >>> parse_pair_answer("\\\\frac{1}{2}} because")
     '\\\\frac{1}{2}'
     >>> parse_pair_answer("12") is None
     True
     """
-    close = _scan_close(text)
-    if close < 0:
-        return None
-    return text[:close].strip() or None
+    return read_pair_answer(text).answer
 
 
-def _truncate(tokenizer: Any, texts: list[str], max_tokens: int) -> tuple[list[str], int]:
-    """Cut each text to its first `max_tokens` tokens; returns (texts, number cut)."""
+def cut_solutions(
+    tokenizer: Any, texts: Sequence[str], max_tokens: int
+) -> tuple[list[str], list[bool]]:
+    """Cut each solution text to its first `max_tokens` tokens as the tokenizer encodes the text
+    (<= 0: whole); returns the texts and which were cut. Both backends cut with this, so a
+    solution is cut at the same place whichever backend built the pair prompt."""
     if max_tokens <= 0 or not texts:
-        return list(texts), 0
-    out, cut = [], 0
+        return list(texts), [False] * len(texts)
+    out, cut = [], []
     try:
-        enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
         offsets = enc["offset_mapping"]
     except (NotImplementedError, ValueError, TypeError):  # slow tokenizers: no offsets
-        enc, offsets = tokenizer(texts, add_special_tokens=False), None
+        enc, offsets = tokenizer(list(texts), add_special_tokens=False), None
     for k, text in enumerate(texts):
         ids = enc["input_ids"][k]
-        if len(ids) <= max_tokens:
+        cut.append(len(ids) > max_tokens)
+        if not cut[-1]:
             out.append(text)
             continue
-        cut += 1
         if offsets is not None:
             out.append(text[: offsets[k][max_tokens - 1][1]])
         else:
             out.append(tokenizer.decode(ids[:max_tokens], skip_special_tokens=True))
     return out, cut
-
-
-# ----------------------------------------------------------------------------------------
-# Brace-aware stop rule
-# ----------------------------------------------------------------------------------------
-class _BraceTracker:
-    """Per-row brace depth over decoded token pieces: a row is closed once the `{` opened by
-    the prompt is closed (the same scan as `parse_pair_answer`)."""
-
-    def __init__(self, tokenizer: Any, n_rows: int):
-        self.tokenizer, self.pieces = tokenizer, {}
-        self.depth, self.escaped = [0] * n_rows, [False] * n_rows
-
-    def piece(self, tok: int) -> str:
-        if tok not in self.pieces:
-            self.pieces[tok] = self.tokenizer.decode([tok], skip_special_tokens=True)
-        return self.pieces[tok]
-
-    def closes(self, row: int, tok: int) -> bool:
-        close, self.depth[row], self.escaped[row] = _scan_braces(
-            self.piece(tok), self.depth[row], self.escaped[row]
-        )
-        return close >= 0
-
-
-def _decode_answers(model, tokenizer, prefill, cfg) -> list[list[int]]:
-    """Sample up to `max_new_tokens` per row (`omgrpo.generation.engine.decode`), a row stopping at the
-    brace that closes the prompt's `\\boxed{` or at an eos. Returns each row's tokens (closing
-    piece and eos included)."""
-    logits, cache, mask, next_pos = prefill
-    stops = set(stop_token_ids(tokenizer, model))
-    braces = _BraceTracker(tokenizer, logits.shape[0])
-
-    def stop(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        ended = [
-            tok in stops or braces.closes(r, tok) for r, tok in zip(rows.tolist(), tokens.tolist())
-        ]
-        return torch.tensor(ended, dtype=torch.bool, device=tokens.device)
-
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    tokens, lengths = decode(
-        model,
-        logits[:, -1, :],
-        cache,
-        mask,
-        next_pos,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        stop=stop,
-        pad_id=pad,
-    )
-    return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
-
-
-# ----------------------------------------------------------------------------------------
-# Generation
-# ----------------------------------------------------------------------------------------
-def generate_pair_answers(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    groups: Sequence[tuple[str, Sequence[str]]],
-    cfg: Any,
-    rng: random.Random | int | None = None,
-) -> CarResult:
-    """Pair answers of one step with the current policy, sharing the KV cache of common
-    prefixes (chunk -> question -> anchor -> pair).
-
-    `groups`: (question, the G decoded rollout texts) per prompt; `cfg`: a `CarConfig` (or the
-    `car` section of the config); `rng`: pair sampling when `pairs_per_anchor` is set (a
-    `random.Random` or a seed). Sampling uses the global torch RNG, like the rollout sampler.
-    """
-    return _generate(model, tokenizer, groups, cfg, rng, share_prefix=True)
-
-
-def generate_pair_answers_plain(
-    model: torch.nn.Module,
-    tokenizer: Any,
-    groups: Sequence[tuple[str, Sequence[str]]],
-    cfg: Any,
-    rng: random.Random | int | None = None,
-) -> CarResult:
-    """Reference path: the same prompts and decoding as `generate_pair_answers`, each pair
-    prompt prefilled whole in a left-padded batch (no prefix sharing)."""
-    return _generate(model, tokenizer, groups, cfg, rng, share_prefix=False)
-
-
-@contextmanager
-def _attention_kernel(model: torch.nn.Module, prefer_sdpa: bool):
-    """Switch an eager-attention model to SDPA for the block (restored afterwards)."""
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    switch = prefer_sdpa and current == "eager" and hasattr(model, "set_attn_implementation")
-    if switch:
-        try:
-            model.set_attn_implementation("sdpa")
-        except (ValueError, ImportError):  # a model without SDPA support keeps eager
-            switch = False
-    try:
-        yield
-    finally:
-        if switch:
-            model.set_attn_implementation(current)
-
-
-@torch.no_grad()
-def _generate(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> CarResult:
-    with _attention_kernel(model, getattr(cfg, "prefer_sdpa", True)):
-        return _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix)
-
-
-def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> CarResult:
-    if not isinstance(rng, random.Random):
-        rng = random.Random(0 if rng is None else rng)
-    pairs, heads, solutions, truncated = [], [], [], 0
-    for question, sols in groups:
-        cut, n_cut = _truncate(tokenizer, list(sols), cfg.max_solution_tokens)
-        truncated += n_cut
-        solutions.append(cut)
-        heads.append(render_prompt(tokenizer, question))
-        pairs.append(enumerate_pairs(len(sols), cfg.pairs_per_anchor, rng))
-
-    # Rows in (group, anchor, partner) order; anchors are never split across chunks.
-    flat = [(g, i, j) for g, ps in enumerate(pairs) for i, j in ps]
-    texts = [car_text(heads[g], solutions[g][i], solutions[g][j]) for g, i, j in flat]
-    # Each distinct prompt is tokenized once: pairs repeat whenever a group's solutions agree.
-    distinct = list(dict.fromkeys(texts))
-    encoded = tokenizer(distinct, add_special_tokens=False)["input_ids"] if distinct else []
-    ids_of = dict(zip(distinct, encoded))
-    ids = [ids_of[text] for text in texts]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    generated: list[list[int]] = []
-    for lo, hi in _anchor_chunks(flat, max(1, int(cfg.chunk_pairs))):
-        rows = [list(r) for r in ids[lo:hi]]
-        levels = []
-        if share_prefix:
-            keys = flat[lo:hi]
-            # system prompt, question, anchor solution (by text: identical solutions share)
-            levels = [
-                [0] * len(rows),
-                [g for g, _, _ in keys],
-                [(g, solutions[g][i]) for g, i, _ in keys],
-            ]
-        prefill = prefix_tree_forward(model, rows, levels, pad)
-        generated.extend(_decode_answers(model, tokenizer, prefill, cfg))
-        del prefill
-
-    result = CarResult(
-        pairs=pairs,
-        answers=[[] for _ in pairs],
-        texts=[[] for _ in pairs],
-        truncated=truncated,
-        num_pairs=len(flat),
-    )
-    for (g, _, _), toks in zip(flat, generated):
-        text = tokenizer.decode(toks, skip_special_tokens=True)
-        close = _scan_close(text)
-        answer = text[:close].strip() if close >= 0 else None
-        result.unclosed += close < 0
-        result.empty += close >= 0 and not answer
-        result.answers[g].append(answer or None)
-        result.texts[g].append(text)
-    return result
-
-
-def _anchor_chunks(flat: list[tuple[int, int, int]], max_rows: int) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges of at most `max_rows` rows made of whole anchors (an anchor with
-    more pairs than `max_rows` gets a chunk of its own)."""
-    bounds, lo, k = [], 0, 0
-    while k < len(flat):
-        end = k
-        while end < len(flat) and flat[end][:2] == flat[k][:2]:
-            end += 1
-        if end - lo > max_rows and k > lo:
-            bounds.append((lo, k))
-            lo = k
-        k = end
-    if lo < len(flat):
-        bounds.append((lo, len(flat)))
-    return bounds
 
 
 # ----------------------------------------------------------------------------------------
@@ -439,14 +281,6 @@ def _entropy(values: Sequence[int]) -> float:
     counts = Counter(values)
     n = len(values)
     return -sum(c / n * math.log(c / n) for c in counts.values())
-
-
-def _share(hits: int, n: int) -> float:
-    return hits / n if n else float("nan")
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else float("nan")
 
 
 def car_diagnostics(
@@ -517,13 +351,13 @@ def car_diagnostics(
             if ok[i] is not None and involved[i]:
                 entropy[bool(ok[i])].append(_entropy(involved[i]))
     return {
-        "car/position_bias": _share(*first),
-        "car/select_correct": _share(*select),
-        "car/incorrect_pair_first": _share(*wrong_first),
-        "car/anchor_entropy_correct": _mean(entropy[True]),
-        "car/anchor_entropy_incorrect": _mean(entropy[False]),
-        "car/pool_size": _mean(pool_sizes),
-        "car/unclosed": float("nan") if unclosed is None else _share(unclosed, num_pairs),
+        "car/position_bias": share_or_nan(*first),
+        "car/select_correct": share_or_nan(*select),
+        "car/incorrect_pair_first": share_or_nan(*wrong_first),
+        "car/anchor_entropy_correct": mean_or_nan(entropy[True]),
+        "car/anchor_entropy_incorrect": mean_or_nan(entropy[False]),
+        "car/pool_size": mean_or_nan(pool_sizes),
+        "car/unclosed": float("nan") if unclosed is None else share_or_nan(unclosed, num_pairs),
         "car/truncated": float("nan") if truncated is None else float(truncated),
         "car/num_pairs": float(num_pairs),
     }
@@ -533,11 +367,11 @@ def _top_vote_hit(
     answers: Sequence[str | None], pool: Sequence[str | None], label: str, grader: Grader
 ) -> bool:
     """Whether the most frequent answer class of answers + pool is equivalent to the label
-    (ties: the class seen first, as `omgrpo.core.rewards.majority_class`)."""
+    (`omgrpo.core.rewards.majority_class`: ties go to the class seen first)."""
     voters = list(answers) + list(pool)
     ids = cluster([*voters, label], grader)  # the label comes last, so it never changes voter ids
-    counts = Counter(c for c in ids[:-1] if c is not None)
-    return bool(counts) and counts.most_common(1)[0][0] == ids[-1]
+    top = majority_class(ids[:-1])
+    return top is not None and top == ids[-1]
 
 
 def top_vote_acc(
@@ -559,7 +393,7 @@ def top_vote_acc(
             continue
         labelled += 1
         hits += _top_vote_hit(answers, (pool or []) if use_pool else [], label, grader)
-    return _share(hits, labelled)
+    return share_or_nan(hits, labelled)
 
 
 def top_vote_metrics(

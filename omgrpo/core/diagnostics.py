@@ -1,7 +1,9 @@
 """Collapse diagnostics computed from one step's rollouts (labels, where known, only diagnose).
 
 Pure functions over the step's answers; the metric names are the contract with trackers and
-analysis (see the README's metric table).
+analysis (see the README's metric table). A mean or share over nothing is nan
+(`omgrpo.core.means`). Task-specific readings (the toy world's guesses) come through the task's
+`omgrpo.tasks.TaskProbe`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from omgrpo.core.answers import normalize
+from omgrpo.core.means import mean_or_nan, share_or_nan
 from omgrpo.core.rewards import RewardGroup, majority_class
-from omgrpo.tasks.toy import is_guess, last_result
+from omgrpo.tasks import TaskProbe
 
 
 def answer_diagnostics(
@@ -43,6 +46,7 @@ def answer_diagnostics(
         counts = Counter(c for c in g.classes if c is not None)
         unique.append(len(counts))
         total = sum(counts.values())
+        # a group without votes counts as entropy 0 (one state: nothing), not as missing
         entropies.append(
             -sum(n / total * math.log(n / total) for n in counts.values()) if total else 0.0
         )
@@ -53,15 +57,15 @@ def answer_diagnostics(
             wrong_top += top is not None and not ok[g.classes.index(top)]
     flat = [c for ok in correct for c in ok if c is not None]
     return {
-        "answers/unique_per_prompt": _mean(unique),
+        "answers/unique_per_prompt": mean_or_nan(unique),
         "answers/unique_per_batch": float(len(batch_counts)),
         "answers/batch_mode": mode if mode is not None else "",
-        "answers/batch_mode_share": mode_count / n_rollouts if n_rollouts else 0.0,
-        "answers/vote_entropy": _mean(entropies),
-        "answers/extract_rate": len(extracted) / n_rollouts if n_rollouts else 0.0,
-        "answers/top_vote_acc": top_hits / labelled if labelled else float("nan"),
-        "answers/wrong_majority": wrong_top / labelled if labelled else float("nan"),
-        "acc/train": _mean([float(c) for c in flat]) if flat else float("nan"),
+        "answers/batch_mode_share": share_or_nan(mode_count, n_rollouts),
+        "answers/vote_entropy": mean_or_nan(entropies),
+        "answers/extract_rate": share_or_nan(len(extracted), n_rollouts),
+        "answers/top_vote_acc": share_or_nan(top_hits, labelled),
+        "answers/wrong_majority": share_or_nan(wrong_top, labelled),
+        "acc/train": mean_or_nan(float(c) for c in flat),
     }
 
 
@@ -69,39 +73,34 @@ def guess_diagnostics(
     texts: Sequence[str],
     answers: Sequence[str | None],
     difficulties: Sequence[str],
-    peak: str | None,
+    probe: TaskProbe,
     prefix: str = "answers",
 ) -> dict[str, float]:
     """How the boxed answers relate to the reasoning before them (the shortcut worlds,
-    docs/toy-worlds.md), over rollouts with an answer:
+    docs/toy-worlds.md), read by the task's `probe`, over rollouts with an answer (nan when
+    no rollout has one):
     - `<prefix>/consistency`: share whose answer is the value their reasoning computed last;
-    - `<prefix>/guess_rate_<difficulty>`: share that box something else (`toy.is_guess`), by
+    - `<prefix>/guess_rate_<difficulty>`: share that box something else (`probe.is_guess`), by
       the problems' difficulty;
     - `<prefix>/bare_guess_rate`: share that box an answer with no computed line before it;
-    - `<prefix>/peak_share`: share of all rollouts boxing `peak`, the guess prior's peak value.
+    - `<prefix>/peak_share`: share of all rollouts boxing `probe.peak` (the toy world's guess
+      prior's peak value), if the task has one.
     """
     answered = [(t, a, d) for t, a, d in zip(texts, answers, difficulties) if a is not None]
-    guesses = [(is_guess(t, a), d) for t, a, d in answered]
+    guesses = [(probe.is_guess(t, a), d) for t, a, d in answered]
     out = {
-        f"{prefix}/consistency": _mean([float(not g) for g, _ in guesses]) if guesses else 0.0,
-        f"{prefix}/bare_guess_rate": _mean([float(last_result(t) is None) for t, _, _ in answered])
-        if answered
-        else 0.0,
+        f"{prefix}/consistency": mean_or_nan(float(not g) for g, _ in guesses),
+        f"{prefix}/bare_guess_rate": mean_or_nan(
+            float(probe.result_span(t) is None) for t, _, _ in answered
+        ),
     }
     for difficulty in sorted(set(difficulties)):
         part = [float(g) for g, d in guesses if d == difficulty]
-        out[f"{prefix}/guess_rate_{difficulty}"] = _mean(part) if part else float("nan")
-    if peak is not None:
-        out[f"{prefix}/peak_share"] = (
-            sum(a is not None and normalize(a) == peak for a in answers) / len(answers)
-            if answers
-            else 0.0
-        )
+        out[f"{prefix}/guess_rate_{difficulty}"] = mean_or_nan(part)
+    if probe.peak is not None:
+        hits = sum(a is not None and normalize(a) == probe.peak for a in answers)
+        out[f"{prefix}/peak_share"] = share_or_nan(hits, len(answers))
     return out
-
-
-def _mean(xs: Sequence[float]) -> float:
-    return float(sum(xs) / len(xs)) if xs else 0.0
 
 
 def confidently_wrong(groups: Sequence[RewardGroup], correct, min_share: float) -> float:
@@ -117,7 +116,7 @@ def confidently_wrong(groups: Sequence[RewardGroup], correct, min_share: float) 
             continue
         share = sum(c == top for c in g.classes) / g.size
         hits += share >= min_share and not ok[g.classes.index(top)]
-    return hits / labelled if labelled else float("nan")
+    return share_or_nan(hits, labelled)
 
 
 def majority_answers(groups: Sequence[RewardGroup]) -> list[str | None]:
@@ -142,7 +141,7 @@ def label_flip_rate(
             revisits += 1
             flips += last_seen[pid] != label
         last_seen[pid] = label
-    return flips / revisits if revisits else float("nan")
+    return share_or_nan(flips, revisits)
 
 
 def recovery_metrics(correct: Sequence[Sequence[bool]], state: dict) -> dict[str, float]:
@@ -160,10 +159,8 @@ def recovery_metrics(correct: Sequence[Sequence[bool]], state: dict) -> dict[str
     state["solved"] = sorted(solved)
     return {
         "recovery/zero_pass_prompts": float(len(zero)),
-        "recovery/cum_pass": len(solved) / len(zero) if zero else float("nan"),
-        "recovery/cum_avg": _mean([sum(correct[i]) / len(correct[i]) for i in zero])
-        if zero
-        else float("nan"),
+        "recovery/cum_pass": share_or_nan(len(solved), len(zero)),
+        "recovery/cum_avg": mean_or_nan(sum(correct[i]) / len(correct[i]) for i in zero),
     }
 
 

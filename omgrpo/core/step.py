@@ -33,8 +33,7 @@ from omgrpo.core.diagnostics import (
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import response_offsets, span_token_mask
-from omgrpo.tasks import Problem
-from omgrpo.tasks.toy import last_result_span
+from omgrpo.tasks import Problem, TaskProbe
 
 __all__ = [
     "LoopState",
@@ -136,8 +135,11 @@ def is_correct(answer: str | None, label: str | None, grader: Grader) -> bool | 
     return answer is not None and equivalent(answer, label, grader)
 
 
-def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> Responses:
-    """Decode each response, extract its boxed answer and mark the tokens of each role."""
+def decode_responses(
+    tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, probe: TaskProbe | None = None
+) -> Responses:
+    """Decode each response, extract its boxed answer and mark the tokens of each role; the
+    `result` role is the task's (`probe.result_span`; no probe: no result tokens)."""
     rows = [ids[i, : int(n)].tolist() for i, n in enumerate(mask.sum(-1).tolist())]
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
@@ -155,7 +157,7 @@ def decode_responses(tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor) -> R
             )
         boxed = extract_boxed(text)
         answer_span.append(no_span if boxed is None else boxed.span)
-        result_span.append(last_result_span(text) or no_span)
+        result_span.append((probe.result_span(text) if probe else None) or no_span)
         # the closing line, to the end (eos has an empty offset there); none without a box
         closing.append(len(text) + 1 if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1)
         answers.append(boxed.content if boxed is not None else None)
@@ -182,6 +184,7 @@ def score_step(
     car: CarResult | None = None,
     stats: dict[str, torch.Tensor] | None = None,
     grader: Grader | None = None,
+    probe: TaskProbe | None = None,
 ) -> StepBatch:
     """Score a step's rollouts (rollouts of a prompt contiguous, G = B / len(problems)).
 
@@ -197,9 +200,10 @@ def score_step(
             that read them.
         grader: the step's `Grader` (its budget is spent here); default: a fresh one from
             `cfg.reward`.
+        probe: the task's hook for the `result` token role (`omgrpo.tasks.task_probe`).
     """
     grader = grader if grader is not None else Grader.from_config(cfg.reward)
-    responses = decode_responses(tokenizer, response_ids, response_mask)
+    responses = decode_responses(tokenizer, response_ids, response_mask, probe)
     answers = responses.answers
     G = len(answers) // len(problems)
     coreward = "coreward" in cfg.reward.parts
@@ -268,15 +272,15 @@ def _reward_groups(
 
 
 def step_metrics(
-    batch: StepBatch, state: LoopState, confident_share: float, peak: str | None = None
+    batch: StepBatch, state: LoopState, confident_share: float, probe: TaskProbe | None = None
 ) -> dict[str, Any]:
     """Every diagnostic of one scored step (`state.last_majority` is updated in place).
 
     `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
     `acc/train`, with CAR the `car/*` diagnostics and the pool's `answers/top_vote_acc`, and,
-    where the batch holds tokens, `response/length_mean`; for toy problems (they carry a
-    difficulty) the answer-reasoning consistency and guess rates of `guess_diagnostics`, with
-    the share of `peak` (the world's guess-prior peak). `confident_share` is
+    where the batch holds tokens, `response/length_mean`; given the task's `probe` and problems
+    that carry a difficulty (the toy world's), the answer-reasoning consistency and guess rates
+    of `guess_diagnostics`, with the share of `probe.peak`. `confident_share` is
     `collapse.confident_share`.
     """
     correct = batch.per_group(batch.correct)
@@ -298,8 +302,8 @@ def step_metrics(
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())
         difficulties = [p.meta.get("difficulty") for p in batch.per_rollout(batch.prompts)]
-        if all(difficulties):
+        if probe is not None and all(difficulties):
             metrics.update(
-                guess_diagnostics(batch.responses.texts, batch.answers, difficulties, peak)
+                guess_diagnostics(batch.responses.texts, batch.answers, difficulties, probe)
             )
     return metrics

@@ -1,4 +1,4 @@
-"""Benchmark metrics from a table of graded samples (pure functions, numpy only).
+"""Benchmark metrics from a table of graded samples (pure functions over numpy arrays).
 
 Per problem with n samples of which c are correct:
 - avg@n   mean correctness of the n samples (the paper's "avg@16": 16 samples, averaged);
@@ -13,10 +13,11 @@ Each is averaged over problems; `bootstrap_ci` resamples problems for a 95% inte
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+
+from omgrpo.core.rewards import majority_class
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -29,12 +30,11 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def majority_correct(classes: Sequence[int | None], correct: Sequence[bool]) -> bool:
-    """Whether the most common answer class is correct (no answer at all: False)."""
-    counts = Counter(c for c in classes if c is not None)
-    if not counts:
+    """Whether the most common answer class is correct (no answer at all: False); the vote is
+    training's (`omgrpo.core.rewards.majority_class`, ties to the class seen first)."""
+    winner = majority_class(classes)
+    if winner is None:
         return False
-    top = max(counts.values())
-    winner = next(c for c in classes if c is not None and counts[c] == top)
     return bool(correct[list(classes).index(winner)])
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 # The paper's system prompt (appendix, prompt template), used for every model.
 SYSTEM_PROMPT = "Let's think step by step and output the final answer within \\boxed{}."
@@ -31,6 +31,24 @@ class TaskSplits:
     train: list[Problem]
     val: list[Problem]
     test: list[Problem]
+
+
+class TaskProbe(Protocol):
+    """The hook through which scoring reads task-specific structure in a response, so that
+    `omgrpo/core` names no task (`omgrpo.tasks.task_probe(cfg.task)` gives the configured
+    task's; the toy world's is `omgrpo.tasks.toy.ToyProbe`)."""
+
+    peak: str | None
+    """An answer whose batch share is a diagnostic (`answers/peak_share`); None: not logged."""
+
+    def result_span(self, text: str) -> tuple[int, int] | None:
+        """Character span of the value the reasoning computed last (the `result` token role);
+        None: no such value."""
+        ...
+
+    def is_guess(self, text: str, answer: str | None) -> bool:
+        """Whether the boxed `answer` is not what the reasoning computed (guess diagnostics)."""
+        ...
 
 
 def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 from omgrpo.core.answers import normalize
 from omgrpo.tasks.base import Problem, TaskSplits
@@ -36,29 +37,46 @@ from omgrpo.tasks.base import Problem, TaskSplits
 _OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
 
 
-@dataclass(frozen=True)
+@dataclass
 class ToyWorldSpec:
-    """Parameters of the generator (mirrors `TaskConfig`'s toy fields)."""
+    """Parameters of the generator: the one declaration of the toy world's fields and defaults.
+
+    `omgrpo.config.TaskConfig` inherits them (the `task.*` keys: `task.hard_share=0.5`), and a
+    toy base's cache key is built from them (`omgrpo.models.toy._world_key`), so a default can
+    only change in one place, where the key's dependence on it is visible. Not frozen because
+    Hydra cannot override a frozen dataclass's node; treat a spec as a value (`replace`)."""
 
     min_steps: int = 2
+    """Fewest operations per problem."""
     max_steps: int = 3
+    """Most operations per problem (harder problems, lower base accuracy)."""
     max_start: int = 20
+    """Largest starting value."""
     max_operand: int = 20
+    """Largest operand of + and -."""
     max_factor: int = 5
+    """Largest multiplier."""
     max_value: int = 99
+    """Every intermediate value stays in [0, max_value]."""
     hard_share: float = 0.0
     """Share of problems from the hard regime (`hard_steps` operations and the `hard_*` ranges:
     the schema's wide ranges, where a 600-step base is right ~25% of the time); the rest follow
     the ranges above ("easy")."""
     hard_steps: int = 3
+    """Operations per hard problem."""
     hard_max_start: int = 20
+    """Largest starting value of hard problems."""
     hard_max_operand: int = 20
+    """Largest operand of + and - in hard problems."""
     hard_max_factor: int = 5
+    """Largest multiplier in hard problems."""
     hard_max_value: int = 99
+    """Value range of hard problems."""
     guess_rate_easy: float = 0.0
-    """SFT only: share of easy solutions whose boxed answer is a guess from the prior."""
+    """Shortcut worlds, SFT only: share of easy solutions whose boxed answer is a guess from the
+    prior (docs/toy-worlds.md)."""
     guess_rate_hard: float = 0.0
-    """SFT only: the same for hard problems."""
+    """Shortcut worlds, SFT only: the same for hard problems."""
     guess_peak: int = 1
     """The guess prior's peak value (the paper's collapse answer is "1")."""
     guess_peak_p: float = 0.6
@@ -92,8 +110,8 @@ class ToyWorldSpec:
         return self.guess_rate_hard if difficulty == "hard" else self.guess_rate_easy
 
     @classmethod
-    def from_config(cls, task_cfg) -> ToyWorldSpec:
-        """The generator fields of a `TaskConfig`."""
+    def from_config(cls, task_cfg: Any) -> ToyWorldSpec:
+        """The generator fields of a `TaskConfig` (a composed `task` node), validated."""
         return cls(**{f: getattr(task_cfg, f) for f in cls.__dataclass_fields__})
 
 
@@ -271,6 +289,20 @@ def is_guess(text: str, answer: str | None) -> bool:
         return False
     computed = last_result(text)
     return computed is None or normalize(answer) != computed
+
+
+@dataclass(frozen=True)
+class ToyProbe:
+    """The toy world's `omgrpo.tasks.base.TaskProbe`: the computed lines `a op b = c` give the
+    `result` role and the guess diagnostics; `peak` is the guess prior's peak."""
+
+    peak: str | None = None
+
+    def result_span(self, text: str) -> tuple[int, int] | None:
+        return last_result_span(text)
+
+    def is_guess(self, text: str, answer: str | None) -> bool:
+        return is_guess(text, answer)
 
 
 def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:

@@ -126,7 +126,7 @@ def car_throughput(cfg, repeats: int = 2) -> dict:
     from omegaconf import OmegaConf
     from torch.utils.flop_counter import FlopCounterMode
 
-    from omgrpo.core.car import generate_pair_answers
+    from omgrpo.generation.car import generate_pair_answers
     from omgrpo.generation.rollout import sample, stop_token_ids
     from omgrpo.models.loading import base_model_dir, load_model, load_tokenizer, resolve_device
     from omgrpo.tasks import load_task, render_prompt

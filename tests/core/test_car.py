@@ -16,17 +16,18 @@ from omgrpo.core.answers import Grader
 from omgrpo.core.car import (
     CarConfig,
     CarResult,
-    _truncate,
+    PairAnswer,
     car_diagnostics,
     car_prompt,
+    cut_solutions,
     enumerate_pairs,
-    generate_pair_answers,
-    generate_pair_answers_plain,
     parse_pair_answer,
+    read_pair_answer,
     top_vote_acc,
     top_vote_metrics,
 )
 from omgrpo.core.rewards import REWARDS, make_group
+from omgrpo.generation.car import generate_pair_answers, generate_pair_answers_plain
 from omgrpo.generation.engine import prefix_tree_forward
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
@@ -133,6 +134,10 @@ def test_parse_pair_answer():
     assert parse_pair_answer("12") is None
     assert parse_pair_answer("}") is None  # empty
     assert parse_pair_answer("  }") is None
+    # `car/unclosed` counts only a brace that never closed; an empty answer is closed
+    assert read_pair_answer("12") == PairAnswer(None, False)
+    assert read_pair_answer(" } x") == PairAnswer(None, True)
+    assert read_pair_answer("36}.") == PairAnswer("36", True)
 
 
 def test_prompt_is_the_papers_template():
@@ -148,8 +153,8 @@ def test_prompt_is_the_papers_template():
         "Based on the reasoning in the solutions above, the correct final answer is \\boxed{"
     )
     # solutions are cut to their first max_solution_tokens tokens (one char = one token here)
-    assert _truncate(tok, ["abcdef", "ab"], 3) == (["abc", "ab"], 1)
-    assert _truncate(tok, ["abcdef"], 0) == (["abcdef"], 0)
+    assert cut_solutions(tok, ["abcdef", "ab"], 3) == (["abc", "ab"], [True, False])
+    assert cut_solutions(tok, ["abcdef"], 0) == (["abcdef"], [False])
     tok.chat_template = None  # base model without a template: the same content as plain text
     assert car_prompt(tok, "Q", "a", "b") == (
         f"{SYSTEM}\n\nQ\nHere are two possible solutions:\n\n[Solution 1]\na\n\n"

@@ -1,6 +1,8 @@
 """Collapse diagnostics on hand-built groups (hand-computed values)."""
 
+import ast
 import math
+from pathlib import Path
 
 import pytest
 
@@ -8,11 +10,13 @@ from omgrpo.core.diagnostics import (
     CollapseDetector,
     answer_diagnostics,
     confidently_wrong,
+    guess_diagnostics,
     label_flip_rate,
     majority_answers,
     recovery_metrics,
 )
 from omgrpo.core.rewards import make_group
+from omgrpo.tasks.toy import ToyProbe
 
 
 def _batch():
@@ -79,3 +83,29 @@ def test_collapse_detector_needs_both_signals_for_k_steps():
     assert det.update(4, collapsed)  # second consecutive step
     assert det.state["detected_step"] == 4
     assert not det.update(5, collapsed)  # reported once
+
+
+def test_empty_sets_are_nan_and_guesses_come_through_the_task_probe():
+    """A mean or share of nothing is nan (`omgrpo.core.means`), not a measured 0."""
+    probe = ToyProbe(peak="1")
+    empty = guess_diagnostics(["no answer", "none"], [None, None], ["easy", "hard"], probe)
+    assert all(math.isnan(v) for k, v in empty.items() if k != "answers/peak_share")
+    assert empty["answers/peak_share"] == 0.0  # a share of two rollouts: none boxed "1"
+    assert math.isnan(guess_diagnostics([], [], [], probe)["answers/peak_share"])
+    assert "answers/peak_share" not in guess_diagnostics([], [], [], ToyProbe())
+    d = answer_diagnostics([], [])
+    assert all(math.isnan(d[k]) for k in ("answers/unique_per_prompt", "answers/extract_rate"))
+
+
+def test_core_imports_no_task_and_no_engine():
+    """omgrpo/core is the pure layer: no generation engine, no concrete task."""
+    core = Path(__file__).parents[2] / "omgrpo" / "core"
+    for path in core.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names]
+                bad = [
+                    n for n in names if n and n.startswith(("omgrpo.generation", "omgrpo.tasks."))
+                ]
+                assert not bad, f"{path.name} imports {bad}"

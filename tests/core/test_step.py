@@ -15,7 +15,7 @@ from omgrpo.core.spans import answer_mask_for_ids, response_offsets, span_token_
 from omgrpo.core.step import LoopState, decode_responses, is_correct, score_step, step_metrics
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.tasks import Problem
-from omgrpo.tasks.toy import last_result_span
+from omgrpo.tasks.toy import ToyProbe, last_result_span
 
 # Two prompts x G = 3; the char tokenizer gives one token per character.
 TEXTS = [
@@ -110,7 +110,7 @@ def test_token_roles_of_a_worked_response(tok):
     ids, mask = batch_of(tok, [text])
     eos = torch.tensor([[tok.eos_token_id]])
     ids, mask = torch.cat([ids, eos], 1), torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
-    r = decode_responses(tok, ids, mask)
+    r = decode_responses(tok, ids, mask, ToyProbe())
     roles = r.role_masks()
     chars = lambda m: "".join(text[i] for i in m[0].nonzero().flatten().tolist() if i < len(text))  # noqa: E731
     assert chars(r.answer_mask) == "1"
@@ -135,7 +135,7 @@ def test_batched_role_masks_equal_the_per_row_reference(tok):
         "12*3=36\n36-4=32\nSo the answer is \\boxed{32}.",
     ]
     ids, mask = batch_of(tok, texts)
-    r = decode_responses(tok, ids, mask)
+    r = decode_responses(tok, ids, mask, ToyProbe())
     for i, text in enumerate(texts):
         n = len(text)
         expected, decoded = answer_mask_for_ids(tok, ids[i, :n])
@@ -166,7 +166,7 @@ def test_guess_and_majority_diagnostics_hand_computed(tok):
     ]
     ids, mask = batch_of(tok, texts)
     batch = score_step(tok, ids, mask, prompts, compose(["method=mv"]))
-    m = step_metrics(batch, LoopState(), 0.75, peak="1")
+    m = step_metrics(batch, LoopState(), 0.75, ToyProbe(peak="1"))
     assert m["answers/consistency"] == pytest.approx(2 / 5)
     assert m["answers/guess_rate_easy"] == pytest.approx(2 / 3)
     assert m["answers/guess_rate_hard"] == pytest.approx(1 / 2)
@@ -175,7 +175,13 @@ def test_guess_and_majority_diagnostics_hand_computed(tok):
     # group e votes 2, 1, 1 -> majority "1", wrong; group h ties 4/9 -> the first class, "4"
     assert m["answers/wrong_majority"] == pytest.approx(1 / 2)
     assert m["answers/top_vote_acc"] == pytest.approx(1 / 2)
-    # no difficulty (not a toy problem): no guess metrics
+    # no difficulty (not a toy problem) or no task probe: no guess metrics
     assert "answers/consistency" not in step_metrics(
-        score_step(tok, ids, mask, PROMPTS[:1] * 2, compose(["method=mv"])), LoopState(), 0.75
+        score_step(tok, ids, mask, PROMPTS[:1] * 2, compose(["method=mv"])),
+        LoopState(),
+        0.75,
+        ToyProbe(peak="1"),
     )
+    assert "answers/consistency" not in step_metrics(batch, LoopState(), 0.75)
+    # without a probe there is no `result` role (the task hook defines it)
+    assert not decode_responses(tok, ids, mask).result_mask.any()

@@ -203,3 +203,19 @@ def test_deduplication_keeps_the_difficulty_mix():
     hard = sum(p.meta["difficulty"] == "hard" for p in sample)
     lo, hi = wilson_interval(hard, 600, z=3.0)
     assert lo <= 0.5 <= hi
+
+
+def test_task_config_declares_the_toy_world_once():
+    """`task.*`'s toy fields are `ToyWorldSpec`'s (inherited), with its defaults, under the flat
+    keys the presets and sweeps use; a composed config gives the spec its values."""
+    import dataclasses
+
+    from omgrpo.config import TaskConfig, compose
+
+    assert issubclass(TaskConfig, ToyWorldSpec)
+    spec_fields = {f.name: f.default for f in dataclasses.fields(ToyWorldSpec)}
+    task_fields = {f.name: f.default for f in dataclasses.fields(TaskConfig)}
+    assert {k: task_fields[k] for k in spec_fields} == spec_fields
+    cfg = compose(["experiment=toy_shortcut", "task.hard_share=0.25", "task.guess_peak=3"])
+    spec = ToyWorldSpec.from_config(cfg.task)
+    assert (spec.hard_share, spec.guess_peak) == (0.25, 3)

@@ -44,7 +44,7 @@ from omgrpo.backends.native.checkpoint import (
 from omgrpo.config import to_container, validate_algorithm
 from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
-from omgrpo.core.car import CarResult, generate_pair_answers
+from omgrpo.core.car import CarResult
 from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
 from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
 from omgrpo.core.rewards import get_reward, make_group
@@ -56,6 +56,7 @@ from omgrpo.core.step import (
     score_step,
     step_metrics,
 )
+from omgrpo.generation.car import generate_pair_answers
 from omgrpo.generation.rollout import (
     Sequences,
     response_logits,
@@ -70,7 +71,14 @@ from omgrpo.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
+from omgrpo.tasks import (
+    TASKS,
+    Problem,
+    PromptEncoder,
+    check_prompt_lengths,
+    load_task,
+    task_probe,
+)
 from omgrpo.tracking import build_trackers
 from omgrpo.tracking.store import RunStore
 
@@ -232,6 +240,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             car=car,
             stats=stats,
             grader=grading,
+            probe=task_probe(cfg.task),
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -261,7 +270,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     metrics = {
         "train/epoch": (state.step - 1) // run.steps_per_epoch,
         "train/skipped_steps": state.skipped,
-        **step_metrics(batch, state, cfg.collapse.confident_share, _peak(cfg)),
+        **step_metrics(batch, state, cfg.collapse.confident_share, task_probe(cfg.task)),
         **update,
         **probe,
         "lr": run.scheduler.get_last_lr()[0],
@@ -647,7 +656,7 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
             by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
         per_rollout = [d for d in difficulties for _ in range(k)]
         by_difficulty.update(
-            guess_diagnostics(responses.texts, answers, per_rollout, _peak(cfg), prefix="val")
+            guess_diagnostics(responses.texts, answers, per_rollout, task_probe(cfg.task), "val")
         )
     return {
         **by_difficulty,
@@ -659,12 +668,6 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         "val/extract_rate": float(np.mean([a is not None for a in answers])),
         **recovery_metrics(correct, recovery),
     }
-
-
-def _peak(cfg) -> str | None:
-    """The toy world's guess-prior peak (the paper's collapse answer "1"), whose batch share is
-    a diagnostic in every toy world; None for other tasks."""
-    return str(cfg.task.guess_peak) if cfg.task.name == "toy" else None
 
 
 def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:

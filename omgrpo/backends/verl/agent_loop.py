@@ -31,6 +31,7 @@ import hashlib
 import logging
 import random
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -39,9 +40,17 @@ from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
+from omgrpo.backends.verl.record import CarRecord, RolloutRecord
 from omgrpo.backends.verl.reward import label_of, pred_of
 from omgrpo.core.answers import Grader
-from omgrpo.core.car import CarResult, car_text, enumerate_pairs, parse_pair_answer
+from omgrpo.core.car import (
+    CarResult,
+    PairAnswer,
+    car_text,
+    cut_solutions,
+    enumerate_pairs,
+    read_pair_answer,
+)
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import StepBatch, score_step
 from omgrpo.tasks import Problem
@@ -67,32 +76,32 @@ def car_prompt_ids(
     """Token ids of the paper's CAR prompt for one ordered pair, and which solution was cut.
 
     The rollout's own prompt (chat template, question, open assistant turn) is followed by
-    "Here are two possible solutions: [Solution 1] ... [Solution 2] ... the correct final answer
-    is \\boxed{" (`omgrpo.core.car`'s template). Each solution (generated ids, special tokens dropped)
-    is cut to its first `max_solution_tokens` tokens (<= 0: whole), and further so that the
+    `omgrpo.core.car.car_text`'s tail ("Here are two possible solutions: [Solution 1] ...
+    [Solution 2] ... the correct final answer is \\boxed{"), as the native CAR builds it. Each
+    solution (decoded, special tokens dropped) is cut by `omgrpo.core.car.cut_solutions` to its
+    first `max_solution_tokens` tokens (<= 0: whole), as natively, and further so that the
     prompt plus `max_new_tokens` fits in `max_len` (vLLM rejects longer prompts). The length is
-    checked on the final ids: decoding the cut solutions and encoding the concatenated text
-    can merge or split tokens at the joins, so the cut shrinks until the prompt fits.
+    checked on the final ids: encoding the concatenated text can merge or split tokens at the
+    joins, so the cut shrinks until the prompt fits.
 
     Returns:
         ``(ids, (cut_1, cut_2))``; the cut is the same for every pair of a group (same
         prompt, same budget), so a solution's flag is the same in all its pairs.
     """
-    special = set(tokenizer.all_special_ids)
-    sols = [[t for t in s if t not in special] for s in (solution_1, solution_2)]
+    sols = [tokenizer.decode(s, skip_special_tokens=True) for s in (solution_1, solution_2)]
     budget = max_len - max_new_tokens  # prompt tokens vLLM accepts with room for the answer
     template = len(tokenizer.encode(car_text("", "", ""), add_special_tokens=False))
     limit = (budget - len(prompt_ids) - template) // 2
     if max_solution_tokens > 0:
         limit = min(limit, max_solution_tokens)
     while limit >= 1:
-        texts = [tokenizer.decode(s[:limit], skip_special_tokens=True) for s in sols]
+        texts, cut = cut_solutions(tokenizer, sols, limit)
         ids = list(prompt_ids) + tokenizer.encode(
             car_text("", texts[0], texts[1]), add_special_tokens=False
         )
         over = len(ids) - budget
         if over <= 0:
-            return ids, (len(sols[0]) > limit, len(sols[1]) > limit)
+            return ids, (cut[0], cut[1])
         limit -= over // 2 + 1
     raise ValueError(
         f"CAR prompt does not fit: prompt {len(prompt_ids)} + template {template} + "
@@ -203,8 +212,9 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
 
     async def _pair_answers(
         self, prompt_ids: list[int], responses: list[list[int]], uid: str, seed: str
-    ) -> dict[str, Any]:
-        """CAR's pair answers of one group from the policy's rollout servers."""
+    ) -> tuple[CarResult, float, float]:
+        """CAR's pair answers of one group from the policy's rollout servers, with the wall
+        clock of the first request and of the last answer."""
         car = self.omgrpo.car
         pairs = enumerate_pairs(len(responses), car.pairs_per_anchor, random.Random(seed))
         max_len, advice = self._context_limit()
@@ -229,16 +239,17 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             "top_p": float(car.top_p),
         }
 
-        async def one(k: int) -> str | None:
+        async def one(k: int) -> tuple[PairAnswer, str]:
             # One request id per anchor: verl's load balancer routes an id to the same server
             # (sticky sessions), so the anchor's pairs, which share the prompt and solution 1,
             # meet their prefix in that server's cache.
             out = await self.llm_client.generate(
                 f"{uid}-car-{pairs[k][0]}", prompt_ids=prompts[k], sampling_params=dict(params)
             )
-            return parse_pair_answer(self.tokenizer.decode(out.token_ids, skip_special_tokens=True))
+            text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            return read_pair_answer(text), text
 
-        async def anchor(ks: list[int]) -> list[str | None]:
+        async def anchor(ks: list[int]) -> list[tuple[PairAnswer, str]]:
             # With full_determinism verl hands the request id to vLLM as is: requests sharing
             # an id must not overlap there, so an anchor's pairs then go one after the other.
             if getattr(self.rollout_config, "full_determinism", False):
@@ -250,19 +261,13 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             by_anchor.setdefault(i, []).append(k)
         start = time.time()
         results = await asyncio.gather(*(anchor(ks) for ks in by_anchor.values()))
-        answers: list[str | None] = [None] * len(pairs)
-        for ks, got in zip(by_anchor.values(), results):
-            for k, a in zip(ks, got):
-                answers[k] = a
-        return {
-            "pairs": [list(p) for p in pairs],
-            "answers": answers,
-            # `car/truncated` counts each cut solution once per group, as the native CAR does.
-            "truncated": len(cut),
-            "unclosed": sum(a is None for a in answers),
-            "start": start,
-            "end": time.time(),
-        }
+        got = {k: a for ks, out in zip(by_anchor.values(), results) for k, a in zip(ks, out)}
+        # `car/truncated` counts each cut solution once per group, as the native CAR does.
+        car = CarResult(pairs=[pairs], answers=[[]], texts=[[]], truncated=len(cut))
+        car.num_pairs = len(pairs)
+        for k in range(len(pairs)):
+            car.add(0, *got[k])
+        return car, start, time.time()
 
     def _prompt_id(self, kwargs: dict[str, Any], prompt_ids: list[int]) -> str:
         """Stable id of the prompt across steps (the label-flip diagnostic): the dataset's
@@ -290,54 +295,69 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         prompt_ids = list(outputs[0].prompt_ids)
         om = self.omgrpo
 
-        car = None
+        car, span = None, (0.0, 0.0)
         if om.car.enable:
             seed = f"{kwargs0.get('global_steps')}-{kwargs0['uid']}"
-            car = await self._pair_answers(
+            car, *span = await self._pair_answers(
                 prompt_ids, [r.tolist() for r in responses], str(kwargs0["uid"]), seed
             )
         # The question text is not needed: scoring reads the responses and the label.
         problem = Problem(id=self._prompt_id(kwargs0, prompt_ids), question="", answer=label)
         ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
-        pool = None
-        if car is not None:
-            pool = CarResult(pairs=[[tuple(p) for p in car["pairs"]]], answers=[car["answers"]])
         batch, timeouts = await asyncio.to_thread(
-            score_group, self.tokenizer, ids, mask, problem, om, pool
+            score_group, self.tokenizer, ids, mask, problem, om, car
         )
-        for k, (session, output) in enumerate(zip(sessions, outputs)):
-            answer, correct = batch.answers[k], batch.correct[k]
-            parts = {part: float(values[k]) for part, values in batch.reward_parts.items()}
+        records = rollout_records(batch, timeouts, car, span)
+        for k, (session, output, record) in enumerate(zip(sessions, outputs, records)):
             output.reward_score = float(batch.rewards[k])
             output.extra_fields["reward_extra_info"] = {
                 "score": output.reward_score,
-                **parts,
-                "acc": float(bool(correct)),
-                "pred": pred_of(answer),
+                **record.rewards,
+                "acc": float(bool(record.correct)),
+                "pred": pred_of(record.answer),
             }
-            record: dict[str, Any] = {
-                "answer": answer,
-                "correct": correct,
-                "label": label,
-                "prompt_id": problem.id,
-                "session": k,
-                "rewards": parts,
-                "grading_timeouts": timeouts,  # the group's, on every rollout
-            }
-            if car is not None:
-                mine = [(p, a) for p, a in zip(car["pairs"], car["answers"]) if p[0] == k]
-                record["car"] = {
-                    "pairs": [p for p, _ in mine],
-                    "answers": [a for _, a in mine],
-                    **{key: car[key] for key in ("truncated", "unclosed", "start", "end")},
-                }
-            output.extra_fields[RECORD_KEY] = record
+            output.extra_fields[RECORD_KEY] = record.to_dict()
             group.fields[session] = {
                 ANSWER_MASK_KEY: batch.responses.answer_mask[k, : len(responses[k])].long(),
                 # The format reward (paper §3.1), for the format-only advantage.
-                FORMAT_SCORE_KEY: torch.tensor(format_score(answer), dtype=torch.float32),
+                FORMAT_SCORE_KEY: torch.tensor(format_score(record.answer), dtype=torch.float32),
             }
+
+
+def rollout_records(
+    batch: StepBatch, timeouts: int, car: CarResult | None, span: Sequence[float]
+) -> list[RolloutRecord]:
+    """Each rollout's record of one scored group (`batch` holds one prompt), for the driver's
+    metrics; `span`: CAR's (start, end) wall clock."""
+    problem = batch.prompts[0]
+    records = []
+    for k, (answer, correct) in enumerate(zip(batch.answers, batch.correct)):
+        car_record = None
+        if car is not None:
+            mine = [(p, a) for p, a in zip(car.pairs[0], car.answers[0]) if p[0] == k]
+            car_record = CarRecord(
+                pairs=[p for p, _ in mine],
+                answers=[a for _, a in mine],
+                truncated=car.truncated,
+                unclosed=car.unclosed,
+                empty=car.empty,
+                start=span[0],
+                end=span[1],
+            )
+        records.append(
+            RolloutRecord(
+                answer=answer,
+                correct=correct,
+                label=problem.answer,
+                prompt_id=problem.id,
+                session=k,
+                rewards={part: float(v[k]) for part, v in batch.reward_parts.items()},
+                grading_timeouts=timeouts,  # the group's, on every rollout
+                car=car_record,
+            )
+        )
+    return records
 
 
 def score_group(

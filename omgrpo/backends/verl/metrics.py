@@ -1,6 +1,6 @@
 """omgrpo's training diagnostics from one verl step, under omgrpo's metric names.
 
-The agent loop stores a small record per rollout in `extra_fields["omgrpo"]` (answer, label,
+The agent loop stores a `RolloutRecord` per rollout in `extra_fields["omgrpo"]` (answer, label,
 correctness, reward parts, CAR pair answers of the anchor, CAR timings). The driver regroups the
 records by prompt (`uid`) into the step's `omgrpo.core.step.StepBatch` and calls the native
 trainer's `omgrpo.core.step.step_metrics`, so names and definitions are the native trainer's
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
 from omgrpo.core.rewards import make_group
@@ -26,17 +27,35 @@ from omgrpo.tasks import Problem
 __all__ = ["batch_from_records", "step_metrics"]
 
 
-def _group_rows(uids: Sequence[Any], records: Sequence[dict]) -> list[list[int]]:
+def _group_rows(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[list[int]]:
     """Row indices grouped by prompt (first-seen order), each group in session order."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, uid in enumerate(uids):
         groups[str(uid)].append(i)
-    return [sorted(g, key=lambda i: records[i]["session"]) for g in groups.values()]
+    return [sorted(g, key=lambda i: records[i].session) for g in groups.values()]
+
+
+def _car_result(rows: list[list[int]], records: Sequence[RolloutRecord]) -> CarResult | None:
+    """The step's CAR pair answers per group (anchors in session order) with the groups'
+    counters summed; None unless every rollout carries CAR's output."""
+    if not all(r.car is not None for r in records):
+        return None
+    cars = [[records[i].car for i in g] for g in rows]
+    firsts = [c[0] for c in cars]  # the counters are the group's, on every rollout
+    pairs = [[p for c in group for p in c.pairs] for group in cars]
+    return CarResult(
+        pairs=pairs,
+        answers=[[a for c in group for a in c.answers] for group in cars],
+        truncated=sum(c.truncated for c in firsts),
+        unclosed=sum(c.unclosed for c in firsts),
+        empty=sum(c.empty for c in firsts),
+        num_pairs=sum(len(p) for p in pairs),
+    )
 
 
 def batch_from_records(
     uids: Sequence[Any],
-    records: Sequence[dict],
+    records: Sequence[RolloutRecord],
     rewards: Sequence[float],
     grader: Grader | None = None,
 ) -> StepBatch:
@@ -48,42 +67,24 @@ def batch_from_records(
     rows = _group_rows(uids, records)
     order = [i for g in rows for i in g]
     recs = [records[i] for i in order]
-    has_car = all("car" in r for r in recs)
-    prompts, groups, pairs, pair_answers = [], [], [], []
-    for g in rows:
+    car = _car_result(rows, records)
+    prompts, groups = [], []
+    for k, g in enumerate(rows):
         first = records[g[0]]
-        prompts.append(Problem(id=first["prompt_id"], question="", answer=first["label"]))
-        pool = None
-        if has_car:
-            pairs.append([tuple(p) for i in g for p in records[i]["car"]["pairs"]])
-            pool = [a for i in g for a in records[i]["car"]["answers"]]
-            pair_answers.append(pool)
+        prompts.append(Problem(id=first.prompt_id, question="", answer=first.label))
+        pool = car.answers[k] if car is not None else None
         groups.append(
-            make_group(
-                [records[i]["answer"] for i in g], label=first["label"], pool=pool, grader=grader
-            )
+            make_group([records[i].answer for i in g], label=first.label, pool=pool, grader=grader)
         )
-    car = None
-    if has_car:
-        firsts = [records[g[0]]["car"] for g in rows]
-        car = CarResult(
-            pairs=pairs,
-            answers=pair_answers,
-            truncated=sum(c["truncated"] for c in firsts),
-            unclosed=sum(c["unclosed"] for c in firsts),
-            num_pairs=sum(len(p) for p in pairs),
-        )
-    parts = recs[0].get("rewards", {})
+    parts = recs[0].rewards
     return StepBatch(
         prompts=prompts,
         group_ids=torch.tensor([k for k, g in enumerate(rows) for _ in g], dtype=torch.int64),
         responses=None,
-        answers=[r["answer"] for r in recs],
-        correct=[r["correct"] for r in recs],
+        answers=[r.answer for r in recs],
+        correct=[r.correct for r in recs],
         groups=groups,
-        reward_parts={
-            p: np.array([r["rewards"][p] for r in recs], dtype=np.float64) for p in parts
-        },
+        reward_parts={p: np.array([r.rewards[p] for r in recs], dtype=np.float64) for p in parts},
         rewards=np.asarray([rewards[i] for i in order], dtype=np.float64),
         advantages=None,
         car=car,
@@ -93,7 +94,7 @@ def batch_from_records(
 
 def step_metrics(
     uids: Sequence[Any],
-    records: Sequence[dict],
+    records: Sequence[RolloutRecord | dict],
     rewards: Sequence[float],
     *,
     confident_share: float,
@@ -104,7 +105,8 @@ def step_metrics(
 
     Args:
         uids: verl's prompt uid of each rollout (padding rows excluded).
-        records: each rollout's `extra_fields["omgrpo"]` (same order).
+        records: each rollout's `extra_fields["omgrpo"]` (same order), as the agent loop
+            wrote it (`RolloutRecord.to_dict`) or already read back.
         rewards: each rollout's total reward (`rm_scores` summed).
         confident_share: `omgrpo.collapse.confident_share`.
         state: the trainer's loop state (`last_majority` is updated: label flips).
@@ -118,18 +120,15 @@ def step_metrics(
     """
     if not records:
         return {}
+    records = [r if isinstance(r, RolloutRecord) else RolloutRecord.from_dict(r) for r in records]
     batch = batch_from_records(uids, records, rewards, grader or Grader())
     metrics = batch_metrics(batch, state, confident_share)
     metrics.pop("answers/batch_mode")  # a string: verl's loggers take numbers
     rows = _group_rows(uids, records)
     # each group was graded within its own budget (the agent loop); its count is on every row
-    metrics["answers/grading_timeouts"] = float(
-        sum(records[g[0]].get("grading_timeouts", 0) for g in rows)
-    )
-    if all("car" in r for r in records):
-        firsts = [records[g[0]]["car"] for g in rows]
-        metrics["car/seconds"] = float(sum(c["end"] - c["start"] for c in firsts))
-        metrics["car/span_s"] = float(
-            max(c["end"] for c in firsts) - min(c["start"] for c in firsts)
-        )
+    metrics["answers/grading_timeouts"] = float(sum(records[g[0]].grading_timeouts for g in rows))
+    if all(r.car is not None for r in records):
+        firsts = [records[g[0]].car for g in rows]
+        metrics["car/seconds"] = float(sum(c.end - c.start for c in firsts))
+        metrics["car/span_s"] = float(max(c.end for c in firsts) - min(c.start for c in firsts))
     return metrics

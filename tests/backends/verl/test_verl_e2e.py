@@ -66,7 +66,7 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path):
     from transformers import AutoTokenizer
 
     from omgrpo.core.answers import extract_boxed
-    from omgrpo.core.car import parse_pair_answer
+    from omgrpo.core.car import read_pair_answer
 
     steps = _run(tmp_path, setup, steps=3, extra=COLLAPSE_AT_STEP_2)
     problems = check_run(
@@ -91,10 +91,12 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path):
         assert len(rollouts) == PROMPTS * G and len(pairs) == PROMPTS * G * (G - 1), step
         boxed = sum(extract_boxed(t) is not None for t in rollouts)
         assert m["answers/extract_rate"] == pytest.approx(boxed / len(rollouts)), step
-        unclosed = sum(parse_pair_answer(t) is None for t in pairs)
+        read = [read_pair_answer(t) for t in pairs]
+        unclosed = sum(not r.closed for r in read)  # an empty answer is closed
         assert m["car/unclosed"] == pytest.approx(unclosed / len(pairs)), step
         # the pool: G rollouts + the group's valid pair answers, averaged over the groups
-        assert m["car/pool_size"] == pytest.approx(G + (len(pairs) - unclosed) / PROMPTS), step
+        votes = sum(r.answer is not None for r in read)
+        assert m["car/pool_size"] == pytest.approx(G + votes / PROMPTS), step
 
 
 def test_mv_and_gt_one_step(setup, tmp_path):

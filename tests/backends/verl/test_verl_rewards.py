@@ -35,6 +35,7 @@ from omgrpo.backends.verl import agent_loop as al
 from omgrpo.backends.verl.advantage import apply_answer_weighting
 from omgrpo.backends.verl.config import OmgrpoVerlConfig
 from omgrpo.backends.verl.metrics import step_metrics
+from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
 from omgrpo.config import compose
 from omgrpo.core.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult
@@ -125,6 +126,9 @@ class GrowingTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def __call__(self, texts, **kwargs):  # the solution cut (`cut_solutions`) reads the parts
+        return self.tok(texts, **kwargs)
 
 
 def test_car_prompt_ids_checks_the_final_length(tok):
@@ -418,3 +422,29 @@ def test_verl_and_native_score_the_same_groups_identically(tok, monkeypatch, car
         a, b = verl_m[key], native_m[key]
         assert a == b or (math.isnan(a) and math.isnan(b)), key
     assert any(k.startswith("car/") for k in native_m) == car
+
+
+def test_car_unclosed_counts_open_braces_only_and_the_record_round_trips(tok, monkeypatch):
+    """`car/unclosed` means what it means natively (`read_pair_answer`): an empty `\\boxed{}`
+    is closed (counted as empty), a brace left open is unclosed; both cast no vote."""
+    worker, _ = make_worker(tok, monkeypatch)
+    replies = iter(["} empty", "12 and more"] * 3)
+
+    async def generate(request_id, prompt_ids, sampling_params):
+        return TokenOutput(token_ids=tok.encode(next(replies), add_special_tokens=False))
+
+    worker.llm_client.generate = generate
+    outs = asyncio.run(run_group(worker, tok, RESPONSES))
+    raw = outs[0].extra_fields[RECORD_KEY]
+    assert raw["car"]["unclosed"] == 3 and raw["car"]["empty"] == 3
+    record = RolloutRecord.from_dict(raw)
+    assert record.to_dict() == raw and record.car.pairs == [(0, 1), (0, 2)]
+    assert record.car.answers == [None, None]
+    m = step_metrics(
+        ["u0"] * 3,
+        [o.extra_fields[RECORD_KEY] for o in outs],
+        [o.reward_score for o in outs],
+        confident_share=0.6,
+        state=LoopState(),
+    )
+    assert m["car/unclosed"] == pytest.approx(3 / 6) and m["car/pool_size"] == 3.0
