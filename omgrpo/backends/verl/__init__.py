@@ -13,6 +13,7 @@ pieces, one module each:
 |             | pool, format), presets each rollout's reward and records its answer tokens     |
 | advantage   | per-token advantages: w on answer tokens (or the format advantage)             |
 | loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
+| record      | `RolloutRecord`: the typed record each rollout carries from agent loop to metrics |
 | metrics     | the step's `StepBatch` from the rollouts' records -> `omgrpo.core.step.step_metrics` |
 | trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
 | config      | the `omgrpo` config section and composing verl's `ppo_trainer` with a preset   |
