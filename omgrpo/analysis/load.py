@@ -516,16 +516,22 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
 
 
 def verdict(run_df: pd.DataFrame, status: Mapping[str, Any] | str | None = None) -> str:
-    """`"collapsed at step N"` (see `collapse_step`), else `"failed at step N"` when the
-    run's status (status.json dict or its `state`) says it failed, else `"stable"`."""
+    """`"collapsed at step N"` (see `collapse_step`), else, when the run's status (status.json
+    dict or its `state`) says it failed, `"failed at step N"` (the step that failed, where the
+    trainer knows it: `failed_step`) or `"failed after step N"` (the last step that completed),
+    else `"stable"`."""
     step = collapse_step(run_df)
     if step is not None:
         return f"collapsed at step {step}"
     state = status.get("state") if isinstance(status, Mapping) else status
     if state == "failed":
-        where = status.get("step") if isinstance(status, Mapping) else None
-        reason = status.get("reason") if isinstance(status, Mapping) else None
-        text = "failed" + (f" at step {where}" if where is not None else "")
+        info = status if isinstance(status, Mapping) else {}
+        reason = info.get("reason")
+        text = "failed"
+        if info.get("failed_step") is not None:
+            text += f" at step {info['failed_step']}"
+        elif info.get("step") is not None:
+            text += f" after step {info['step']}"
         return text + (f" ({reason})" if reason else "")
     return "stable"
 

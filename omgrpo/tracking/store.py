@@ -4,7 +4,8 @@ config.yaml            resolved config of the run
 metrics.jsonl          one JSON object per step (`train/step` plus every metric)
 rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, advantage, ...)
 checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
-status.json            running / finished / failed / killed, last step, and why it stopped
+status.json            running / finished / failed / killed, the last step that completed
+                       (`step`; `failed_step` where a step failed), and why it stopped
 trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them)
 """
 

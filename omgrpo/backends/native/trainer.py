@@ -22,6 +22,7 @@ import dataclasses
 import math
 import random
 import resource
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -454,7 +455,9 @@ def _count_skip(run: Run, state: LoopState, skipped: bool) -> None:
     state.skipped += 1
     state.consecutive_skips += 1
     if state.consecutive_skips >= run.cfg.trainer.max_consecutive_skips:
-        run.store.write_status(state="failed", step=state.step, reason="non-finite loss")
+        # `step` stays the last step that completed (as everywhere in status.json); the step
+        # that ended the run is `failed_step`
+        run.status("failed", state.step - 1, failed_step=state.step, reason="non-finite loss")
         raise FloatingPointError(
             f"step {state.step}: the loss was NaN/inf for {state.consecutive_skips} steps in "
             "a row; lower optim.lr, check the model's dtype, or inspect the rollouts in "
@@ -720,4 +723,10 @@ def _seed_everything(seed: int) -> None:
 def _peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
+    return max_rss_gib(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def max_rss_gib(ru_maxrss: int, platform: str = sys.platform) -> float:
+    """`getrusage`'s peak resident set size in GiB: the kernel reports it in KiB on Linux but
+    in bytes on macOS."""
+    return ru_maxrss / (2**30 if platform == "darwin" else 2**20)

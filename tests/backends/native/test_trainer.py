@@ -76,7 +76,7 @@ def test_unknown_preset_lists_the_valid_ones():
         compose(["method=nope"])
 
 
-def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, monkeypatch):
+def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, tmp_path, monkeypatch):
     real = trainer_module.grpo_loss
     calls = {"n": 0}
 
@@ -97,6 +97,10 @@ def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, monkeyp
     monkeypatch.setattr(trainer_module, "grpo_loss", always_nan)
     with pytest.raises(FloatingPointError, match="NaN/inf for 3 steps in a row"):
         train(compose([*tiny_overrides, "trainer.steps=5", "run.name=all-nan"]))
+    # step 3 failed; status.json's `step` (and the error's) is the last one that completed
+    status = RunStore(tmp_path / "runs" / "all-nan").read_status()
+    assert status["state"] == "failed" and status["reason"] == "non-finite loss"
+    assert (status["step"], status["failed_step"], status["error"]["step"]) == (2, 3, 2)
 
 
 def test_untrained_model_garbage_never_crashes(tiny_overrides):
@@ -198,3 +202,9 @@ def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):
     assert {"time/car", "car/position_bias", "car/top_vote_acc_without_car"} <= set(row.index)
     rollouts = RunStore(run).read_rollouts()
     assert len(rollouts) == prompts * G  # pair answers are validators, never trained on
+
+
+def test_peak_rss_is_kib_on_linux_and_bytes_on_macos():
+    # getrusage's ru_maxrss: KiB on Linux, bytes on macOS; 3 GiB either way
+    assert trainer_module.max_rss_gib(3 * 2**20, platform="linux") == 3.0
+    assert trainer_module.max_rss_gib(3 * 2**30, platform="darwin") == 3.0
