@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -80,9 +80,22 @@ def write_report(
         "`omgrpo report`. Values are fractions of 1 unless marked %."
     )
     lines.append("")
+    lines += _runs_section(df, dirs)
+    lines += what_happened(df)
+    lines += base_checks_section(base_checks(dirs))  # the toy bases' acceptance checks
+    lines += _tables_section(tables)
+    lines += eval_tables_section(sources)  # benchmark evaluations (omgrpo eval), if any
+    lines += _figures_section(figures, out_dir)
+    lines += _configs_section(dirs)
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    (out_dir / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
+    return path
 
-    # -- runs ----------------------------------------------------------------------------
-    lines += ["## Runs", ""]
+
+def _runs_section(df: pd.DataFrame, dirs: Sequence[Path]) -> list[str]:
+    """## Runs: one row per run directory (also runs without a logged step), with its verdict."""
+    lines = ["## Runs", ""]
     summary = run_summary(df).set_index("run") if not df.empty else pd.DataFrame()
     rows = []
     for run_dir in dirs:
@@ -114,25 +127,23 @@ def write_report(
         "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics.",
         "",
     ]
+    return lines
 
-    lines += what_happened(df)
 
-    # -- the toy bases' acceptance checks (omgrpo.models.basecheck) --------------------------------
-    lines += base_checks_section(base_checks(dirs))
-
-    # -- tables --------------------------------------------------------------------------
-    lines += ["## Tables", ""]
+def _tables_section(tables: Mapping[str, Table | str]) -> list[str]:
+    """## Tables: each table, or why it is not available."""
+    lines = ["## Tables", ""]
     for name, table in tables.items():
         if isinstance(table, Table):
             lines += [f"### {table.title}", "", table.markdown, ""]
         else:
             lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
+    return lines
 
-    # -- benchmark evaluations (omgrpo eval), when there are any -------------------------
-    lines += eval_tables_section(sources)
 
-    # -- figures -------------------------------------------------------------------------
-    lines += ["## Figures", "", FIGURE_CAPTION, ""]
+def _figures_section(figures: Mapping[str, list[Path] | str], out_dir: Path) -> list[str]:
+    """## Figures: each figure drawn (PNG inline, PDF linked), then those not drawn and why."""
+    lines = ["## Figures", "", FIGURE_CAPTION, ""]
     missing = {}
     for name, result in figures.items():
         if isinstance(result, str):
@@ -155,9 +166,12 @@ def write_report(
         for name, reason in missing.items():
             lines.append(f"- **{TITLES.get(name, name)}** (`{name}`): {reason}")
         lines.append("")
+    return lines
 
-    # -- configs -------------------------------------------------------------------------
-    lines += ["## Configs", ""]
+
+def _configs_section(dirs: Sequence[Path]) -> list[str]:
+    """## Configs: each run's config.yaml, folded."""
+    lines = ["## Configs", ""]
     for run_dir in dirs:
         lines += [
             "<details>",
@@ -170,10 +184,7 @@ def write_report(
             "</details>",
             "",
         ]
-    path = out_dir / "report.md"
-    path.write_text("\n".join(lines))
-    (out_dir / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
-    return path
+    return lines
 
 
 # Validation metrics the report describes in words, in this order (README "Metrics").

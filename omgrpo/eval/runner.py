@@ -254,64 +254,25 @@ def evaluate(
     """Evaluate a run's checkpoint (or a model directory) on every benchmark of `suite`;
     returns the evaluation directory (with summary.json)."""
     target = resolve_target(target_path)
-    if target.is_run:
-        test_paths = tuple(b.path for b in suite.benchmarks if b.path != TOY_SOURCE)
-        choice = choose_checkpoint(
-            target.path, checkpoint, target.config, select_metric, select_split, test_paths
-        )
-    else:
-        if checkpoint != "last":
-            raise ValueError(f"{target.path} is a model directory: --checkpoint must be 'last'")
-        choice = Choice("model", 0, None, f"the model directory {target.path}")
+    choice = _checkpoint_choice(target, suite, checkpoint, select_metric, select_split)
     out_dir = eval_dir(target, suite, checkpoint, out)
     out_dir.mkdir(parents=True, exist_ok=True)
     version = grader_version()
     say(f"evaluating {target.path} ({choice.why}) on suite '{suite.name}' -> {out_dir}")
 
-    model = sampler = None
+    sampler = None
     results: dict[str, Any] = {}
     for spec in suite.benchmarks:
-        marker = out_dir / f"{spec.name}.json"
-        settings = spec.settings()
-        if marker.exists():
-            done = json.loads(marker.read_text())
-            same = (
-                done.get("settings") == settings
-                and done.get("checkpoint", {}).get("path") == choice.path
-                and done.get("checkpoint", {}).get("step") == choice.step
-                and done.get("grader") == version
-                and (out_dir / f"{spec.name}.parquet").exists()
-            )
-            if same:
-                say(f"  {spec.name}: done before, kept ({marker})")
-                results[spec.name] = done
-                continue
+        done = _earlier_result(out_dir, spec, choice, version)
+        if done is not None:
+            say(f"  {spec.name}: done before, kept ({out_dir / f'{spec.name}.json'})")
+            results[spec.name] = done
+            continue
         problems = benchmark_problems(spec, target)
-        if sampler is None:
+        if sampler is None:  # loaded once, and only when a benchmark is not done yet
             model, tokenizer, base = load_policy(target, choice, device)
             sampler = make_sampler(backend, model, tokenizer, base, choice, batch_size)
-        start = time.perf_counter()
-        table = sample_and_grade(sampler, problems, spec, _progress_printer(spec.name))
-        seconds = time.perf_counter() - start
-        table.to_parquet(out_dir / f"{spec.name}.parquet", index=False)
-        entry = {
-            "benchmark": spec.name,
-            "k": spec.k,
-            **summarize_table(table, seed=spec.seed),
-            "settings": settings,
-            "checkpoint": choice.record(),
-            "grader": version,
-            "backend": sampler.name,
-            "seconds": round(seconds, 2),
-        }
-        marker.write_text(json.dumps(entry, indent=2) + "\n")
-        results[spec.name] = entry
-        m = entry["metrics"]
-        say(
-            f"  {spec.name}: avg@{spec.k} {m[f'avg@{spec.k}']:.4f}  pass@{spec.k} "
-            f"{m[f'pass@{spec.k}']:.4f}  maj@{spec.k} {m[f'maj@{spec.k}']:.4f}  "
-            f"extracted {m['extract_rate']:.3f}  ({len(problems)} problems, {seconds:.1f} s)"
-        )
+        results[spec.name] = _run_benchmark(sampler, spec, problems, out_dir, choice, version, say)
     summary = {
         "suite": suite.name,
         "target": str(target.path),
@@ -326,6 +287,75 @@ def evaluate(
     if track and target.is_run:
         log_to_trackers(target, out_dir, summary, say)
     return out_dir
+
+
+def _checkpoint_choice(
+    target: Target, suite: Suite, checkpoint: str, select_metric: str, select_split: str
+) -> Choice:
+    """The checkpoint to evaluate: one of a run's (`choose_checkpoint`), or a model directory
+    as it is."""
+    if target.is_run:
+        test_paths = tuple(b.path for b in suite.benchmarks if b.path != TOY_SOURCE)
+        return choose_checkpoint(
+            target.path, checkpoint, target.config, select_metric, select_split, test_paths
+        )
+    if checkpoint != "last":
+        raise ValueError(f"{target.path} is a model directory: --checkpoint must be 'last'")
+    return Choice("model", 0, None, f"the model directory {target.path}")
+
+
+def _earlier_result(
+    out_dir: Path, spec: BenchmarkSpec, choice: Choice, version: dict[str, Any]
+) -> dict[str, Any] | None:
+    """A benchmark's entry from an earlier evaluation into `out_dir`, if it was made with the
+    same settings, checkpoint and grader and its table is there; else None (evaluate again)."""
+    marker = out_dir / f"{spec.name}.json"
+    if not marker.exists():
+        return None
+    done = json.loads(marker.read_text())
+    same = (
+        done.get("settings") == spec.settings()
+        and done.get("checkpoint", {}).get("path") == choice.path
+        and done.get("checkpoint", {}).get("step") == choice.step
+        and done.get("grader") == version
+        and (out_dir / f"{spec.name}.parquet").exists()
+    )
+    return done if same else None
+
+
+def _run_benchmark(
+    sampler: Sampler,
+    spec: BenchmarkSpec,
+    problems: list[Problem],
+    out_dir: Path,
+    choice: Choice,
+    version: dict[str, Any],
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """Sample and grade one benchmark; writes its table (`<name>.parquet`) and entry
+    (`<name>.json`, metrics with CIs and how they were made) and returns the entry."""
+    start = time.perf_counter()
+    table = sample_and_grade(sampler, problems, spec, _progress_printer(spec.name))
+    seconds = time.perf_counter() - start
+    table.to_parquet(out_dir / f"{spec.name}.parquet", index=False)
+    entry = {
+        "benchmark": spec.name,
+        "k": spec.k,
+        **summarize_table(table, seed=spec.seed),
+        "settings": spec.settings(),
+        "checkpoint": choice.record(),
+        "grader": version,
+        "backend": sampler.name,
+        "seconds": round(seconds, 2),
+    }
+    (out_dir / f"{spec.name}.json").write_text(json.dumps(entry, indent=2) + "\n")
+    m = entry["metrics"]
+    say(
+        f"  {spec.name}: avg@{spec.k} {m[f'avg@{spec.k}']:.4f}  pass@{spec.k} "
+        f"{m[f'pass@{spec.k}']:.4f}  maj@{spec.k} {m[f'maj@{spec.k}']:.4f}  "
+        f"extracted {m['extract_rate']:.3f}  ({len(problems)} problems, {seconds:.1f} s)"
+    )
+    return entry
 
 
 def _identity(target: Target) -> dict[str, Any]:

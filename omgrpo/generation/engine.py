@@ -170,23 +170,7 @@ def prefix_tree_forward(
     all_levels = [*levels, finest]
     for depth, keys in enumerate(all_levels):
         final = depth == len(all_levels) - 1
-        node_ids: dict[Hashable, int] = {}
-        members: list[list[int]] = []
-        for r, key in enumerate(keys):
-            if key not in node_ids:
-                node_ids[key] = len(members)
-                members.append([])
-            members[node_ids[key]].append(r)
-        chunks, ends = [], []
-        for rs in members:
-            first, start = rows[rs[0]], done[rs[0]]
-            if final:
-                end = len(first)
-            else:
-                common = common_prefix_len([rows[r] for r in rs])
-                end = max(start, min(common, min(len(rows[r]) for r in rs) - 1))
-            chunks.append(first[start:end])
-            ends.append(end)
+        members, chunks, ends = _level_nodes(rows, keys, done, final)
         if not final and not any(chunks):
             continue  # nothing shared at this level: the rows stay on their parents' nodes
         parents = torch.tensor([parent_of[rs[0]] for rs in members], device=device)
@@ -216,6 +200,33 @@ def prefix_tree_forward(
         mask, logits = mask.index_select(0, rows_to_nodes), logits.index_select(0, rows_to_nodes)
     next_pos = mask.sum(-1, keepdim=True)
     return logits, cache, mask, next_pos
+
+
+def _level_nodes(
+    rows: list[list[int]], keys: Sequence[Hashable], done: list[int], final: bool
+) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """One level of `prefix_tree_forward`: its nodes (the rows of each, in order of first
+    appearance), each node's new tokens (its rows' common prefix beyond what the cache holds,
+    leaving every row at least one token of its own; the whole rest at the final level) and
+    the token count each row reaches."""
+    node_ids: dict[Hashable, int] = {}
+    members: list[list[int]] = []
+    for r, key in enumerate(keys):
+        if key not in node_ids:
+            node_ids[key] = len(members)
+            members.append([])
+        members[node_ids[key]].append(r)
+    chunks, ends = [], []
+    for rs in members:
+        first, start = rows[rs[0]], done[rs[0]]
+        if final:
+            end = len(first)
+        else:
+            common = common_prefix_len([rows[r] for r in rs])
+            end = max(start, min(common, min(len(rows[r]) for r in rs) - 1))
+        chunks.append(first[start:end])
+        ends.append(end)
+    return members, chunks, ends
 
 
 # ----------------------------------------------------------------------------------------

@@ -489,7 +489,7 @@ def test_verdict():
     # the run's own thresholds
     strict = collapsed.assign(**{"cfg.collapse.patience": 2})
     assert verdict(strict) == "collapsed at step 4"
-    failed = {"state": "failed", "step": 3, "reason": "non-finite loss"}
+    failed = {"state": "failed", "step": 2, "failed_step": 3, "reason": "non-finite loss"}
     assert verdict(stable, failed) == "failed at step 3 (non-finite loss)"
     # without `failed_step`, `step` is the last step that completed, not the one that failed
     assert verdict(stable, {"state": "failed", "step": 2}) == "failed after step 2"

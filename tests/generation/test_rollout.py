@@ -20,34 +20,30 @@ def _prompts(tok):
     return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def _two_samples_each(model, tok, prompts):
-    """Two sampled responses (10 tokens at most) per prompt, from seed 0."""
-    torch.manual_seed(0)
+def _sample(model, tok, prompts, *, n: int, max_new_tokens: int, temperature: float):
+    """`n` responses per prompt, without a nucleus cut, stopping at the tokenizer's EOS."""
     return sample(
         model,
         prompts,
-        n=2,
-        max_new_tokens=10,
-        temperature=1.0,
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
         top_p=1.0,
         eos_id=tok.eos_token_id,
         pad_id=tok.pad_token_id,
     )
+
+
+def _two_samples_each(model, tok, prompts):
+    """Two sampled responses (10 tokens at most) per prompt, from seed 0."""
+    torch.manual_seed(0)
+    return _sample(model, tok, prompts, n=2, max_new_tokens=10, temperature=1.0)
 
 
 def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
     model, tok = _model()
     prompts = _prompts(tok)
-    batch = sample(
-        model,
-        prompts,
-        n=1,
-        max_new_tokens=12,
-        temperature=0.0,
-        top_p=1.0,
-        eos_id=tok.eos_token_id,
-        pad_id=tok.pad_token_id,
-    )
+    batch = _sample(model, tok, prompts, n=1, max_new_tokens=12, temperature=0.0)
     for i, p in enumerate(prompts):
         ref = model.generate(
             torch.tensor([p]),

@@ -226,9 +226,8 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     ref_logprobs = None
     if run.ref is not None:
         with timer("ref_logprob"):
-            ref_logprobs = response_logprobs(run.ref, seqs, cfg.algorithm.micro_batch_size)[
-                "logprobs"
-            ]
+            ref = response_logprobs(run.ref, seqs, cfg.algorithm.micro_batch_size)
+            ref_logprobs = ref["logprobs"]
     with timer("reward"):  # answers, rewards and advantages
         stats = old if need_stats else None
         batch = score_step(
