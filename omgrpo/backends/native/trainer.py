@@ -51,7 +51,13 @@ from omgrpo.core.answers import (
 )
 from omgrpo.core.car import CarResult, generate_pair_answers
 from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
-from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
+from omgrpo.core.losses import (
+    COUNT_SUFFIX,
+    SUM_SUFFIX,
+    grpo_loss,
+    token_logprobs_and_entropy,
+    token_means,
+)
 from omgrpo.core.rewards import get_reward, make_group
 from omgrpo.core.step import (
     LoopState,
@@ -512,7 +518,7 @@ def ppo_update(
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
     device = next(policy.parameters()).device
-    sums: dict[str, list[float]] = defaultdict(list)
+    combined = UpdateMetrics()
     for _ in range(algo.ppo_epochs):
         order = torch.randperm(B) if (algo.ppo_epochs > 1 or mini < B) else torch.arange(B)
         for m0 in range(0, B, mini):
@@ -547,19 +553,41 @@ def ppo_update(
                     optimizer.zero_grad(set_to_none=True)
                     return {"skipped": True}
                 loss.backward()
-                for k, v in metrics.items():
-                    sums[k].append(v)
+                combined.add_micro_batch(metrics)
             norm = torch.nn.utils.clip_grad_norm_(
                 policy.parameters(), grad_clip if grad_clip > 0 else float("inf")
             )
             if not torch.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
                 return {"skipped": True}
-            sums["grad/norm"].append(float(norm))
+            combined.end_mini_batch(float(norm))
             optimizer.step()
-    out: dict[str, Any] = {k: float(np.mean(v)) for k, v in sums.items()}
-    out["skipped"] = False
-    return out
+    return {**combined.result(), "skipped": False}
+
+
+class UpdateMetrics:
+    """How an update's micro-batch metrics combine into the step's: the token statistics
+    (`token_stats` sums and counts) add up over every micro-batch of every mini-batch and
+    epoch and are divided once (`token_means`: token-weighted, as the verl backend, nan for a
+    role without tokens); losses are averaged over micro-batches, grad norms over
+    mini-batches."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = defaultdict(float)
+        self.means: dict[str, list[float]] = defaultdict(list)
+
+    def add_micro_batch(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if key.endswith((SUM_SUFFIX, COUNT_SUFFIX)):
+                self.stats[key] += value
+            else:
+                self.means[key].append(value)
+
+    def end_mini_batch(self, grad_norm: float) -> None:
+        self.means["grad/norm"].append(grad_norm)
+
+    def result(self) -> dict[str, float]:
+        return {**token_means(self.stats), **{k: float(np.mean(v)) for k, v in self.means.items()}}
 
 
 def shuffled_advantages(batch: StepBatch, generator: torch.Generator) -> StepBatch:
