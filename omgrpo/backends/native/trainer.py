@@ -547,13 +547,14 @@ def ppo_update(
                     entropy=entropy.detach(),
                     roles={k: v[idx].to(device) for k, v in roles.items()},
                 )
-                if algo.agg != "token-mean":  # sequence means: weight micro-batches by size
-                    loss = loss * (len(idx) / len(mb))
+                # token-mean micro-batch losses are already partial sums of the mini-batch's
+                scale = 1.0 if algo.agg == "token-mean" else len(idx) / len(mb)
+                loss = loss * scale
                 if not torch.isfinite(loss):
                     optimizer.zero_grad(set_to_none=True)
                     return {"skipped": True}
                 loss.backward()
-                combined.add_micro_batch(metrics)
+                combined.add_micro_batch(metrics, scale)
             norm = torch.nn.utils.clip_grad_norm_(
                 policy.parameters(), grad_clip if grad_clip > 0 else float("inf")
             )
@@ -569,21 +570,25 @@ class UpdateMetrics:
     """How an update's micro-batch metrics combine into the step's: the token statistics
     (`token_stats` sums and counts) add up over every micro-batch of every mini-batch and
     epoch and are divided once (`token_means`: token-weighted, as the verl backend, nan for a
-    role without tokens); losses are averaged over micro-batches, grad norms over
-    mini-batches."""
+    role without tokens); `loss/*` is each mini-batch's loss as back-propagated (the sum of
+    its scaled micro-batch losses) and, like `grad/norm`, averaged over mini-batches."""
 
     def __init__(self) -> None:
         self.stats: dict[str, float] = defaultdict(float)
+        self.losses: dict[str, float] = defaultdict(float)  # of the current mini-batch
         self.means: dict[str, list[float]] = defaultdict(list)
 
-    def add_micro_batch(self, metrics: dict[str, float]) -> None:
+    def add_micro_batch(self, metrics: dict[str, float], scale: float) -> None:
         for key, value in metrics.items():
             if key.endswith((SUM_SUFFIX, COUNT_SUFFIX)):
                 self.stats[key] += value
             else:
-                self.means[key].append(value)
+                self.losses[key] += value * scale
 
     def end_mini_batch(self, grad_norm: float) -> None:
+        for key, value in self.losses.items():
+            self.means[key].append(value)
+        self.losses.clear()
         self.means["grad/norm"].append(grad_norm)
 
     def result(self) -> dict[str, float]:
