@@ -198,3 +198,17 @@ def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):
     assert {"time/car", "car/position_bias", "car/top_vote_acc_without_car"} <= set(row.index)
     rollouts = RunStore(run).read_rollouts()
     assert len(rollouts) == prompts * G  # pair answers are validators, never trained on
+
+
+def test_every_logged_metric_is_in_the_metric_table(tiny_overrides, metric_table):
+    """docs/metrics.md documents every name a native run logs (training with CAR and the
+    gradient probe, validation); the token-level metrics come per role."""
+    run = train(
+        compose([*tiny_overrides, "trainer.steps=2", "trainer.grad_probe_every=1", "run.name=m"])
+    )
+    names = set(RunStore(run).read_metrics().columns)
+    assert metric_table.undocumented(names, "native") == []
+    roles = ("answer", "reasoning", "result", "format", "other")
+    token_level = {f"{m}/{r}" for m in ("kl", "entropy") for r in roles}
+    assert token_level | {"answer/frac", "clip/frac", "ratio/mean", "val/pass@2"} <= names
+    assert not any(n.endswith(("_sum", "_count")) for n in names)  # only the means are logged

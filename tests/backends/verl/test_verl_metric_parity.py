@@ -18,6 +18,7 @@ import torch
 from tensordict import TensorDict
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.metric import Metric
 
 from omgrpo.backends.native.trainer import UpdateMetrics
 from omgrpo.backends.verl import ANSWER_MASK_KEY
@@ -119,9 +120,16 @@ def verl_metrics(micro_batches, config_factory) -> dict[str, float]:
         data, output = verl_micro_batch(rows, 3, batch_tokens, batch_size)
         _, metrics = omgrpo_ppo_loss(config_factory(), output, data, answer_weight=0.0)
         for key, metric in metrics.items():
-            if key.endswith(("_sum", "_count")):
+            if isinstance(metric, Metric):
                 reduced.setdefault(key, metric.init_list()).append(metric)
-    return loss_metric_means({f"actor/{k}": float(m.aggregate()) for k, m in reduced.items()})
+            else:
+                reduced[key] = metric
+    # the actor worker logs the loss's metrics under `actor/`
+    return loss_metric_means({f"actor/{k}": _value(m) for k, m in reduced.items()})
+
+
+def _value(metric) -> float:
+    return float(metric.aggregate()) if isinstance(metric, Metric) else float(metric)
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +156,9 @@ def test_native_update_and_verl_loss_log_the_same_token_metrics(actor_config_fac
         ent, ans = (torch.cat([r[k] for r in micro]) for k in ("entropy", "answer"))
         old.append(float(ent[ans].mean()) if ans.any() else 0.0)
     assert abs(float(np.mean(old)) - native["entropy/answer"]) > 0.1
+
+
+def test_the_verl_loss_metric_names_are_in_the_metric_table(actor_config_factory, metric_table):
+    names = set(verl_metrics(make_rows(1), actor_config_factory))
+    assert metric_table.undocumented(names, "verl") == []
+    assert set(COMPARED) | {"pg/answer_weight_share"} <= names
