@@ -45,3 +45,34 @@ def base_cache(tmp_path_factory):
 @pytest.fixture
 def tiny_overrides(tmp_path, base_cache):
     return [*TINY, f"model.cache_dir={base_cache}", f"run.root={tmp_path / 'runs'}"]
+
+
+class MetricTable:
+    """docs/metrics.md's table: each row's name patterns (`<x>`: a name part, `*`: anything)
+    and the backends that log them."""
+
+    def __init__(self, path):
+        import re
+
+        self.rows = []
+        for line in path.read_text().splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not line.startswith("| `") or len(cells) < 4:
+                continue
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                pattern = re.escape(name).replace(r"\*", ".+")
+                pattern = re.sub(r"<[a-z]+>", "[A-Za-z0-9_]+", pattern)
+                self.rows.append((name, re.compile(pattern + "$"), cells[-1]))
+
+    def undocumented(self, names, backend: str) -> list[str]:
+        """The names no row documents as logged by `backend` (`native` or `verl`)."""
+        return sorted(
+            n for n in names if not any(p.match(n) and backend in b for _, p, b in self.rows)
+        )
+
+
+@pytest.fixture(scope="session")
+def metric_table():
+    from pathlib import Path
+
+    return MetricTable(Path(__file__).resolve().parent.parent / "docs" / "metrics.md")

@@ -76,6 +76,9 @@ KNOWN_METRICS: tuple[str, ...] = (
     "time/update", "time/step", "mem/peak_gb", "perf/tokens_per_s",
 )  # fmt: skip
 
+LEGACY_PASS_AT_K = "val/pass@k"
+"""verl runs before issue 24: `val/pass@<k>` under a literal `k` (`_numeric_pass_at_k`)."""
+
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
 
@@ -228,7 +231,7 @@ def _frame(
     source: str,
 ) -> pd.DataFrame:
     """A run's rows: identity + config columns (constant), `step`, then the metrics."""
-    metrics = metrics.copy()
+    metrics = _numeric_pass_at_k(metrics.copy(), config)
     if "train/step" in metrics.columns:
         metrics = metrics.rename(columns={"train/step": "step"})
     if "step" not in metrics.columns:
@@ -241,6 +244,26 @@ def _frame(
     const = {**identity, "status": status, "source": source, **_cfg_columns(config)}
     head = pd.DataFrame({k: [v] * len(metrics) for k, v in const.items()}, index=metrics.index)
     return pd.concat([head, metrics], axis=1)
+
+
+# Samples per validation prompt in a run's config: native `eval.k`, verl's validation `n`.
+_VAL_K_KEYS = ("eval.k", "actor_rollout_ref.rollout.val_kwargs.n")
+
+
+def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.DataFrame:
+    """Runs of the verl backend before issue 24 logged `val/pass@k` under that literal name
+    (verl's bootstrap best@k); both backends now log `val/pass@<k>`. The old column becomes
+    `val/pass@<k>` with k from the run's config (kept as it is when the config has no k)."""
+    if LEGACY_PASS_AT_K not in metrics.columns:
+        return metrics
+    flat = flatten(config)
+    k = next((flat[key] for key in _VAL_K_KEYS if isinstance(flat.get(key), int)), None)
+    if k is None:
+        return metrics
+    name = f"val/pass@{k}"
+    old = metrics.pop(LEGACY_PASS_AT_K)
+    metrics[name] = metrics[name].combine_first(old) if name in metrics.columns else old
+    return metrics
 
 
 def _store_frame(run_dir: Path) -> pd.DataFrame:

@@ -28,6 +28,10 @@ Sources
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -40,6 +44,9 @@ __all__ = [
     "kl_k3",
     "masked_mean",
     "token_logprobs_and_entropy",
+    "token_means",
+    "token_roles",
+    "token_stats",
     "token_weights",
 ]
 
@@ -342,11 +349,12 @@ def grpo_loss(
 
     Returns:
         ``(loss, metrics)``: 0-dim loss and python-float metrics ``loss/pg``, ``loss/kl``
-        (aggregated weighted k3, before ``kl_coef``), ``loss/total``, ``clip/frac``,
-        ``ratio/mean``, ``answer/frac`` (fraction of response tokens in the answer span);
-        ``kl/answer`` and ``kl/reasoning`` (mean unweighted k3) when ``ref_logprobs`` is given;
-        ``entropy/answer`` and ``entropy/reasoning`` when ``entropy`` is given. Means over an
-        empty set are reported as 0.0.
+        (aggregated weighted k3, before ``kl_coef``), ``loss/total``, and the `token_stats`
+        sums and counts (``<name>_sum`` / ``<name>_count``; :func:`token_means` turns them,
+        summed over micro-batches, into the token means) of ``clip/frac``, ``ratio/mean``,
+        ``answer/frac`` (fraction of response tokens in the answer span), ``kl/<role>``
+        (unweighted k3) when ``ref_logprobs`` is given and ``entropy/<role>`` when
+        ``entropy`` is given, for the roles ``answer``, ``reasoning`` and ``roles``.
     """
     per_token = {
         "old_logprobs": old_logprobs,
@@ -430,20 +438,95 @@ def _token_metrics(
     answer: Tensor,
     roles: dict[str, Tensor] | None,
 ) -> dict[str, float]:
-    """`grpo_loss`'s per-token diagnostics (its docstring lists them); means over an empty set
-    are 0.0."""
-    dtype = ratio.dtype
-    reasoning = resp & ~answer
-    metrics = {
-        "clip/frac": masked_mean(clipped.to(dtype), resp).item(),
-        "ratio/mean": masked_mean(ratio, resp).item(),
-        "answer/frac": (answer.sum() / resp.sum().clamp(min=1)).item(),
+    """`grpo_loss`'s per-token diagnostics as `token_stats` sums and counts (its docstring
+    lists them)."""
+    return token_stats(
+        {"kl": k3, "entropy": entropy},
+        token_roles(resp, answer, roles),
+        extra={"clip/frac": (clipped, resp), "ratio/mean": (ratio, resp)},
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Token statistics: the one definition of every per-token metric (both backends)
+# --------------------------------------------------------------------------------------------
+SUM_SUFFIX, COUNT_SUFFIX = "_sum", "_count"
+
+
+def token_roles(
+    response_mask: Tensor, answer_mask: Tensor, roles: Mapping[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """(B, T) bool masks of the token roles metrics are split by: `answer` (answer-span tokens
+    of the response), `reasoning` (the other response tokens) and any extra `roles` (the
+    native trainer's `result`, `format`, `other`: `omgrpo.core.step.Responses.role_masks`)."""
+    resp = response_mask.bool()
+    answer = answer_mask.bool() & resp
+    return {"answer": answer, "reasoning": resp & ~answer, **(roles or {})}
+
+
+@torch.no_grad()
+def token_stats(
+    values: Mapping[str, Tensor | None],
+    roles: Mapping[str, Tensor],
+    extra: Mapping[str, tuple[Tensor, Tensor]] | None = None,
+) -> dict[str, float]:
+    """Sums and token counts of per-token values per token role, for `token_means`.
+
+    Every token-level metric of both backends (and of any micro-batched update) comes from
+    here, so each name has one definition: a token-weighted mean over the whole update
+    (sums and counts add up over micro-batches, mini-batches and ranks; one division at the
+    end), nan for a role without tokens.
+
+    Args:
+        values: name -> (B, T) per-token values (None: skipped), e.g. `kl` (unweighted k3) and
+            `entropy`.
+        roles: role -> (B, T) bool mask (`token_roles`).
+        extra: name -> ((B, T) values, (B, T) weights) of other ratios of sums, e.g.
+            `clip/frac` over the response mask.
+
+    Returns:
+        python floats `<value>/<role>_sum` and `<value>/<role>_count` for every value and role,
+        `answer/frac_sum` / `_count` (answer tokens / answer + reasoning tokens, when both
+        roles are given) and `<extra>_sum` / `_count` (sum of values * weights / sum of
+        weights); computed in float64 with one device sync.
+    """
+    entries = {
+        f"{name}/{role}": (v, mask)
+        for name, v in values.items()
+        if v is not None
+        for role, mask in roles.items()
     }
-    ent = None if entropy is None else entropy.detach().to(dtype)
-    parts = {"answer": answer, "reasoning": reasoning, **(roles or {})}
-    for name, mask in parts.items():
-        if k3 is not None:
-            metrics[f"kl/{name}"] = masked_mean(k3, mask).item()
-        if ent is not None:
-            metrics[f"entropy/{name}"] = masked_mean(ent, mask).item()
-    return metrics
+    if "answer" in roles and "reasoning" in roles:
+        answer, reasoning = roles["answer"], roles["reasoning"]
+        entries["answer/frac"] = (answer, answer | reasoning)
+    entries.update(extra or {})
+    if not entries:
+        return {}
+    stats = []
+    for v, weight in entries.values():
+        w = weight.detach().double()
+        # where, not a product: non-finite values outside the mask (padding) stay out
+        stats += [torch.where(w != 0, v.detach().double() * w, 0.0).sum(), w.sum()]
+    flat = torch.stack(stats).tolist()
+    out = {}
+    for i, name in enumerate(entries):
+        out[name + SUM_SUFFIX], out[name + COUNT_SUFFIX] = flat[2 * i], flat[2 * i + 1]
+    return out
+
+
+def token_means(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`metrics` with every `<prefix><name>_sum` / `<prefix><name>_count` pair (from
+    `token_stats`, added up over any number of micro-batches) replaced by `<name>` = sum /
+    count, nan when the count is 0; other keys are kept as they are."""
+    names = [
+        key[len(prefix) : -len(SUM_SUFFIX)]
+        for key in metrics
+        if key.startswith(prefix) and key.endswith(SUM_SUFFIX)
+    ]
+    names = [name for name in names if prefix + name + COUNT_SUFFIX in metrics]
+    paired = {prefix + name + suffix for name in names for suffix in (SUM_SUFFIX, COUNT_SUFFIX)}
+    out = {key: value for key, value in metrics.items() if key not in paired}
+    for name in names:
+        count = float(metrics[prefix + name + COUNT_SUFFIX])
+        out[name] = float(metrics[prefix + name + SUM_SUFFIX]) / count if count else math.nan
+    return out

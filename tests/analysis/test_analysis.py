@@ -588,3 +588,22 @@ def test_what_happened_says_how_each_run_moved():
         "- `w__mv__s0` (mv, seed 0, validation at step 0 → 4): accuracy 0.68 → 0.33; "
         "hard-problem guess rate 0.22 → 0.97; collapsed at step 4.",
     ]
+
+
+@pytest.mark.parametrize(
+    ("config", "column"),
+    [
+        ({"actor_rollout_ref": {"rollout": {"val_kwargs": {"n": 4}}}}, "val/pass@4"),
+        ({"eval": {"k": 8}}, "val/pass@8"),
+        ({}, "val/pass@k"),  # no k in the config: the old name stays
+    ],
+)
+def test_old_runs_literal_pass_at_k_is_read_as_pass_at_their_k(tmp_path, config, column):
+    """verl runs before issue 24 logged `val/pass@k`; both backends now log `val/pass@<k>`."""
+    store = RunStore(tmp_path / "old_verl_run")
+    store.write_config({"run": {"name": "old", "experiment": "paper"}, "seed": 0, **config})
+    store.log_metrics(0, {"train/step": 0, "val/acc": 0.5, "val/pass@k": 0.75})
+    store.log_metrics(1, {"train/step": 1, "reward/total": 1.0})
+    df = load_runs(tmp_path)
+    assert df[column].tolist()[0] == 0.75 and math.isnan(df[column].tolist()[1])
+    assert [c for c in df.columns if c.startswith("val/pass")] == [column]

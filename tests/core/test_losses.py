@@ -15,6 +15,9 @@ from omgrpo.core.losses import (
     kl_k3,
     masked_mean,
     token_logprobs_and_entropy,
+    token_means,
+    token_roles,
+    token_stats,
     token_weights,
 )
 
@@ -152,9 +155,10 @@ def _hand_case():
 def test_grpo_loss_hand_computed(w, pg, kl_tokens):
     logp, ref, resp, answer, adv = _hand_case()
     entropy = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 99.0]])
-    loss, m = grpo_loss(
+    loss, stats = grpo_loss(
         logp, logp, ref, adv, resp, answer, answer_weight=w, kl_coef=0.1, entropy=entropy
     )
+    m = token_means(stats)
     kl = kl_tokens * (1 - LN2) / 5
     assert loss.item() == pytest.approx(pg + 0.1 * kl, abs=1e-12)
     assert m["loss/pg"] == pytest.approx(pg, abs=1e-12)
@@ -176,9 +180,10 @@ def test_grpo_loss_clipping_hand_computed():
     logp = torch.log(torch.tensor([[1.5, 0.9], [0.5, 1.1]], dtype=torch.float64))
     old = torch.zeros_like(logp)
     resp = torch.ones(2, 2, dtype=torch.bool)
-    loss, m = grpo_loss(
+    loss, stats = grpo_loss(
         logp, old, None, torch.tensor([1.0, -1.0]), resp, torch.zeros_like(resp), kl_coef=0.1
     )
+    m = token_means(stats)
     assert loss.item() == pytest.approx(-0.05, abs=1e-12)
     assert m["clip/frac"] == pytest.approx(0.5)
     assert m["ratio/mean"] == pytest.approx(1.0)
@@ -186,10 +191,15 @@ def test_grpo_loss_clipping_hand_computed():
     assert "kl/answer" not in m and "entropy/answer" not in m
 
 
-def test_grpo_loss_no_answer_tokens_reports_zero():
+def test_grpo_loss_no_answer_tokens_reports_nan():
+    """A role without tokens has no mean (nan), as in the verl backend; its count is 0, so
+    adding it to other micro-batches' stats changes nothing."""
     logp, ref, resp, _, adv = _hand_case()
-    _, m = grpo_loss(logp, logp, ref, adv, resp, torch.zeros_like(resp), entropy=logp)
-    assert m["kl/answer"] == 0.0 and m["entropy/answer"] == 0.0
+    _, stats = grpo_loss(logp, logp, ref, adv, resp, torch.zeros_like(resp), entropy=logp)
+    assert stats["kl/answer_count"] == 0.0 and stats["kl/answer_sum"] == 0.0
+    m = token_means(stats)
+    assert math.isnan(m["kl/answer"]) and math.isnan(m["entropy/answer"])
+    assert m["answer/frac"] == 0.0 and m["kl/reasoning"] > 0
 
 
 def test_grpo_loss_shape_errors():
@@ -245,7 +255,7 @@ def _run(b: dict, rows=slice(None), adv=None, answer_mask=None, **kw):
         **kw,
     )
     loss.backward()
-    return loss.detach(), logits.grad, metrics
+    return loss.detach(), logits.grad, token_means(metrics)
 
 
 def _reference_loss(lp, old, ref, resp, tok_adv, kl_w, clip, kl_coef):
@@ -397,7 +407,7 @@ def test_no_reference_or_zero_kl_coef():
     loss_b, m_b = grpo_loss(lp, b["old"], None, b["adv"], b["resp"], b["answer"])
     loss_b.backward()
     assert torch.equal(loss_a, loss_b.detach()) and torch.equal(grad_a, logits.grad)
-    assert m_b["loss/kl"] == 0.0 and "kl/answer" not in m_b and "kl/answer" in m_a
+    assert m_b["loss/kl"] == 0.0 and "kl/answer_sum" not in m_b and "kl/answer" in m_a
 
 
 @pytest.mark.parametrize(("w", "kl_w"), [(0.0, 1.0), (0.0, 0.5), (1.0, 0.0)])
@@ -435,3 +445,31 @@ def test_pg_masked_kl_anchored_answer_gradient_is_the_kl_alone():
     loss_a, grad_a, _ = _run(b, answer_weight=0.0, kl_coef=0.05)
     loss_b, grad_b, _ = _run(b, answer_weight=0.0, answer_kl_weight=None, kl_coef=0.05)
     assert torch.equal(loss_a, loss_b) and torch.equal(grad_a, grad_b)
+
+
+# --------------------------------------------------------------------------------------------
+# token_stats / token_means: one definition of the per-token metrics
+# --------------------------------------------------------------------------------------------
+def test_token_stats_add_up_over_micro_batches_to_the_token_mean():
+    """Two micro-batches of 3 and 1 answer tokens: the step's `kl/answer` is the mean of all
+    4 tokens (2.5), not the mean of the two micro-batch means (3.0); padding values (inf)
+    outside the masks never leak in."""
+    kl = torch.tensor([[1.0, 2.0, 3.0, float("inf")], [4.0, 5.0, 0.0, 0.0]])
+    resp = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    answer = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    total: dict[str, float] = {}
+    for row in range(2):
+        roles = token_roles(resp[row : row + 1], answer[row : row + 1])
+        for key, value in token_stats({"kl": kl[row : row + 1]}, roles).items():
+            total[key] = total.get(key, 0.0) + value
+    m = token_means(total)
+    assert m["kl/answer"] == pytest.approx((1 + 2 + 3 + 4) / 4)
+    assert m["kl/reasoning"] == pytest.approx((5 + 0) / 2)
+    assert m["answer/frac"] == pytest.approx(4 / 6)
+    assert not any(k.endswith(("_sum", "_count")) for k in m)
+
+
+def test_token_means_keeps_other_keys_and_strips_the_prefix():
+    metrics = {"actor/kl/answer_sum": 3.0, "actor/kl/answer_count": 0.0, "actor/pg_loss": 1.5}
+    m = token_means(metrics, prefix="actor/")
+    assert m.keys() == {"kl/answer", "actor/pg_loss"} and math.isnan(m["kl/answer"])

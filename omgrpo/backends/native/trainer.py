@@ -46,7 +46,13 @@ from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
 from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
-from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
+from omgrpo.core.losses import (
+    COUNT_SUFFIX,
+    SUM_SUFFIX,
+    grpo_loss,
+    token_logprobs_and_entropy,
+    token_means,
+)
 from omgrpo.core.rewards import get_reward, make_group
 from omgrpo.core.step import (
     LoopState,
@@ -522,7 +528,7 @@ def ppo_update(
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
     device = next(policy.parameters()).device
-    sums: dict[str, list[float]] = defaultdict(list)
+    combined = UpdateMetrics()
     for _ in range(algo.ppo_epochs):
         order = torch.randperm(B) if (algo.ppo_epochs > 1 or mini < B) else torch.arange(B)
         for m0 in range(0, B, mini):
@@ -551,25 +557,52 @@ def ppo_update(
                     entropy=entropy.detach(),
                     roles={k: v[idx].to(device) for k, v in roles.items()},
                 )
-                if algo.agg != "token-mean":  # sequence means: weight micro-batches by size
-                    loss = loss * (len(idx) / len(mb))
+                # token-mean micro-batch losses are already partial sums of the mini-batch's
+                scale = 1.0 if algo.agg == "token-mean" else len(idx) / len(mb)
+                loss = loss * scale
                 if not torch.isfinite(loss):
                     optimizer.zero_grad(set_to_none=True)
                     return {"skipped": True}
                 loss.backward()
-                for k, v in metrics.items():
-                    sums[k].append(v)
+                combined.add_micro_batch(metrics, scale)
             norm = torch.nn.utils.clip_grad_norm_(
                 policy.parameters(), grad_clip if grad_clip > 0 else float("inf")
             )
             if not torch.isfinite(norm):
                 optimizer.zero_grad(set_to_none=True)
                 return {"skipped": True}
-            sums["grad/norm"].append(float(norm))
+            combined.end_mini_batch(float(norm))
             optimizer.step()
-    out: dict[str, Any] = {k: float(np.mean(v)) for k, v in sums.items()}
-    out["skipped"] = False
-    return out
+    return {**combined.result(), "skipped": False}
+
+
+class UpdateMetrics:
+    """How an update's micro-batch metrics combine into the step's: the token statistics
+    (`token_stats` sums and counts) add up over every micro-batch of every mini-batch and
+    epoch and are divided once (`token_means`: token-weighted, as the verl backend, nan for a
+    role without tokens); `loss/*` is each mini-batch's loss as back-propagated (the sum of
+    its scaled micro-batch losses) and, like `grad/norm`, averaged over mini-batches."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = defaultdict(float)
+        self.losses: dict[str, float] = defaultdict(float)  # of the current mini-batch
+        self.means: dict[str, list[float]] = defaultdict(list)
+
+    def add_micro_batch(self, metrics: dict[str, float], scale: float) -> None:
+        for key, value in metrics.items():
+            if key.endswith((SUM_SUFFIX, COUNT_SUFFIX)):
+                self.stats[key] += value
+            else:
+                self.losses[key] += value * scale
+
+    def end_mini_batch(self, grad_norm: float) -> None:
+        for key, value in self.losses.items():
+            self.means[key].append(value)
+        self.losses.clear()
+        self.means["grad/norm"].append(grad_norm)
+
+    def result(self) -> dict[str, float]:
+        return {**token_means(self.stats), **{k: float(np.mean(v)) for k, v in self.means.items()}}
 
 
 def shuffled_advantages(batch: StepBatch, generator: torch.Generator) -> StepBatch:

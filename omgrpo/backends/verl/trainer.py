@@ -8,11 +8,13 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
   built; a trainer under its own name would otherwise get async behaviour;
 - installs `omgrpo_ppo_loss` (KL weighted on answer tokens) on the actor workers after init;
 - weights the advantages on answer tokens right after verl's GRPO step (`_compute_advantage`);
-- logs omgrpo's metrics: `kl/answer`, `kl/reasoning` (from the loss), `entropy/answer`,
-  `entropy/reasoning` (from the entropy verl stores in the old-log-prob pass), `reward/*`,
+- logs omgrpo's metrics: `kl/answer`, `kl/reasoning`, `answer/frac` (from the loss),
+  `entropy/answer`, `entropy/reasoning` (from the loss when the actor computes entropy in the
+  update, else from the entropy verl stores in the old-log-prob pass), `reward/*`,
   `answers/*`, `acc/train`, `car/*` and `collapse/*` (from the rollouts' records), CAR's
   wall-clock span as `timing_s/car` (inside `timing_s/gen`: CAR runs in the generation stage),
-  and `val/acc` / `val/pass@k` aliases of verl's validation metrics;
+  and `val/acc` / `val/pass@<k>` of verl's validation samples (the native trainer's
+  definitions, docs/metrics.md);
 - with `omgrpo.collapse.stop`, ends training after the step in which collapse is detected
   (the step is logged; verl's loop then exits as after its last step, without an extra
   checkpoint or validation: the native trainer's `collapsed` stop);
@@ -23,6 +25,8 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -42,6 +46,7 @@ from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import step_metrics
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
+from omgrpo.core.losses import token_means, token_roles, token_stats
 from omgrpo.core.step import LoopState
 
 __all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
@@ -52,30 +57,36 @@ TRAINER_NAME = "omgrpo"
 def entropy_split(
     entropy: torch.Tensor, response_mask: torch.Tensor, answer_mask: torch.Tensor
 ) -> dict[str, float]:
-    """`entropy/answer` and `entropy/reasoning`: token means of (B, T) per-token entropies
-    over answer-span and other response tokens (nan when there is none)."""
-    resp = response_mask.bool()
-    answer = answer_mask.bool() & resp
-    out = {}
-    for name, mask in (("entropy/answer", answer), ("entropy/reasoning", resp & ~answer)):
-        count = int(mask.sum())
-        out[name] = float((entropy.float() * mask).sum()) / count if count else math.nan
-    return out
+    """`entropy/answer` and `entropy/reasoning` of (B, T) per-token entropies: the token means
+    of `token_stats` (nan when there is no such token), as every backend computes them."""
+    stats = token_stats({"entropy": entropy}, token_roles(response_mask, answer_mask))
+    return {k: v for k, v in token_means(stats).items() if k.startswith("entropy/")}
 
 
-def validation_aliases(metrics: dict[str, Any]) -> dict[str, float]:
-    """`val/acc` (mean@N accuracy) and `val/pass@k` (best@N of acc), averaged over data sources,
-    from verl's `val-core/<source>/acc/...` metrics."""
-    out = {}
-    for alias, pattern in (("val/acc", "/acc/mean@"), ("val/pass@k", "/acc/best@")):
-        values = [
-            float(v)
-            for k, v in metrics.items()
-            if k.startswith("val-core/") and pattern in k and not k.endswith("/std")
-        ]
-        if values:
-            out[alias] = float(np.mean(values))
-    return out
+def validation_aliases(
+    data_sources: Sequence[str], sample_uids: Sequence[str], extra: Mapping[str, Sequence[Any]]
+) -> dict[str, float]:
+    """`val/acc` (avg@k) and `val/pass@<k>` (share of prompts with at least one of their k
+    samples correct) from the per-sample `acc` of verl's validation (`reward_extra_infos_dict`),
+    with the native trainer's definitions, averaged over data sources; k is the number of
+    samples per prompt (the largest, should prompts differ). verl's own `best@k` is a
+    bootstrap estimate with replacement, lower than pass@k, so it is not reused."""
+    per_prompt: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for source, uid, acc in zip(data_sources, sample_uids, extra.get("acc") or []):
+        if acc is not None:
+            per_prompt[(str(source), str(uid))].append(float(acc))
+    if not per_prompt:
+        return {}
+    by_source: dict[str, list[list[float]]] = defaultdict(list)
+    for (source, _), accs in per_prompt.items():
+        by_source[source].append(accs)
+    k = max(len(accs) for accs in per_prompt.values())
+    return {
+        "val/acc": float(np.mean([np.mean([np.mean(a) for a in p]) for p in by_source.values()])),
+        f"val/pass@{k}": float(
+            np.mean([np.mean([max(a) > 0 for a in p]) for p in by_source.values()])
+        ),
+    }
 
 
 @register_trainer(TRAINER_NAME)
@@ -206,9 +217,13 @@ class OmgrpoTrainer(PPOTrainerSync):
         print(f"omgrpo: omgrpo.collapse.stop=true: ending training after step {step}")
         self.total_training_steps = step
 
-    def _val_metrics_update(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        metrics = super()._val_metrics_update(*args, **kwargs)
-        metrics.update(validation_aliases(metrics))
+    def _val_metrics_update(
+        self, data_sources, sample_uids, reward_extra_infos_dict, *args: Any, **kwargs: Any
+    ) -> dict[str, float]:
+        metrics = super()._val_metrics_update(
+            data_sources, sample_uids, reward_extra_infos_dict, *args, **kwargs
+        )
+        metrics.update(validation_aliases(data_sources, sample_uids, reward_extra_infos_dict))
         return metrics
 
     def describe(self) -> str:

@@ -208,3 +208,17 @@ def test_peak_rss_is_kib_on_linux_and_bytes_on_macos():
     # getrusage's ru_maxrss: KiB on Linux, bytes on macOS; 3 GiB either way
     assert trainer_module.max_rss_gib(3 * 2**20, platform="linux") == 3.0
     assert trainer_module.max_rss_gib(3 * 2**30, platform="darwin") == 3.0
+
+
+def test_every_logged_metric_is_in_the_metric_table(tiny_overrides, metric_table):
+    """docs/metrics.md documents every name a native run logs (training with CAR and the
+    gradient probe, validation); the token-level metrics come per role."""
+    run = train(
+        compose([*tiny_overrides, "trainer.steps=2", "trainer.grad_probe_every=1", "run.name=m"])
+    )
+    names = set(RunStore(run).read_metrics().columns)
+    assert metric_table.undocumented(names, "native") == []
+    roles = ("answer", "reasoning", "result", "format", "other")
+    token_level = {f"{m}/{r}" for m in ("kl", "entropy") for r in roles}
+    assert token_level | {"answer/frac", "clip/frac", "ratio/mean", "val/pass@2"} <= names
+    assert not any(n.endswith(("_sum", "_count")) for n in names)  # only the means are logged

@@ -233,12 +233,14 @@ def test_math_verify_switch_reaches_driver_and_reward_workers():
     assert Grader.from_config(trainer.omgrpo.reward).math_verify is False
 
 
-def test_metric_names():
-    val = {
-        "val-core/math/acc/mean@4": 0.5,
-        "val-core/aime/acc/mean@4": 0.1,
-        "val-core/math/acc/best@4/mean": 0.8,
-        "val-core/math/acc/best@4/std": 0.01,
-        "val-aux/math/reward/mean@4": 1.0,
-    }
-    assert validation_aliases(val) == pytest.approx({"val/acc": 0.3, "val/pass@k": 0.8})
+def test_validation_metric_names():
+    """`val/acc` and `val/pass@<k>` from the per-sample `acc`, as the native trainer defines
+    them (pass@k: any of a prompt's k samples correct; verl's bootstrap best@4 would give
+    1 - (3/4)^4 = 0.68 for prompt b), averaged over data sources."""
+    sources = ["math"] * 8 + ["aime"] * 4
+    uids = ["a"] * 4 + ["b"] * 4 + ["c"] * 4
+    acc = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    got = validation_aliases(sources, uids, {"acc": acc, "score": [0.0] * 12})
+    # math: acc (0.75 + 0.25) / 2, pass (1 + 1) / 2; aime: 0 and 0
+    assert got == pytest.approx({"val/acc": 0.25, "val/pass@4": 0.5})
+    assert validation_aliases(sources, uids, {"score": [0.0] * 12}) == {}

@@ -60,7 +60,7 @@ def _served_by_version(out: Path, tokenizer) -> dict[int, tuple[list[str], list[
     return dict(by_version)
 
 
-def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path):
+def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
     """2 OM-GRPO steps (w = 0, soft vote + format, CAR); the collapse detector is forced to fire
     at step 2 with `stop=true`, so a 3-step run ends after step 2."""
     from transformers import AutoTokenizer
@@ -78,6 +78,8 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path):
         collapse_step=2,
     )
     assert not problems, "\n".join(problems)
+    logged = {name for m in steps.values() for name in m}
+    assert metric_table.undocumented(logged, "verl") == []  # docs/metrics.md
     log = (tmp_path / "train.log").read_text()
     assert "omgrpo: collapse detected at step 2" in log
     assert "ending training after step 2" in log

@@ -27,7 +27,7 @@ from omgrpo.backends.verl import trainer as trainer_mod
 from omgrpo.backends.verl.config import compose_verl
 from omgrpo.backends.verl.loss import omgrpo_ppo_loss
 from omgrpo.backends.verl.record import CarRecord, RolloutRecord
-from omgrpo.backends.verl.trainer import OmgrpoTrainer
+from omgrpo.backends.verl.trainer import OmgrpoTrainer, entropy_split, validation_aliases
 
 LAUNCH = [
     "actor_rollout_ref.model.path=/models/m",
@@ -245,3 +245,15 @@ def test_on_init_end_installs_the_loss_on_the_actor_workers(make_trainer, monkey
     (fn,) = installed
     assert fn.func is omgrpo_ppo_loss and fn.keywords["answer_weight"] == 0.5
     assert fn.keywords["config"].use_kl_loss and base == [trainer]  # then verl's weight sync
+
+
+def test_the_driver_metric_names_are_in_the_metric_table(make_trainer, monkeypatch, metric_table):
+    """docs/metrics.md documents what the driver adds to verl's metrics: the step's
+    diagnostics with CAR, the loss's token means, the old-pass entropy and validation."""
+    _, handed = run_compute_metrics(make_trainer(), monkeypatch, metrics_rows())
+    ((metrics, _),) = handed
+    val = validation_aliases(["toy"] * 4, ["a", "a", "b", "b"], {"acc": [1.0, 0.0, 0.0, 0.0]})
+    entropy = entropy_split(torch.rand(2, 3), torch.ones(2, 3), torch.eye(2, 3))
+    names = set(metrics) | set(val) | set(entropy)
+    assert metric_table.undocumented(names, "verl") == []
+    assert {"val/acc", "val/pass@2", "entropy/answer", "car/span_s", "time/car"} <= names
