@@ -33,7 +33,7 @@ from omgrpo.core.diagnostics import (
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import response_offsets, span_token_mask
-from omgrpo.tasks import Problem, TaskProbe
+from omgrpo.tasks.base import Problem, TaskProbe
 
 __all__ = [
     "LoopState",
