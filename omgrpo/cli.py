@@ -88,34 +88,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(overrides: list[str]) -> int:
+    """`backend=NAME` picks the trainer: the folder omgrpo/backends/NAME/, whose `launch.main`
+    takes the command line (so a new backend is one new folder)."""
+    import importlib
+
     backends = [o.partition("=")[2] for o in overrides if o.startswith("backend=")]
     backend = backends[-1] if backends else "native"
-    if backend == "verl":
-        from omgrpo.backends.verl.launch import main as verl_main
-
-        return verl_main(overrides)
-    if backend != "native":
-        print(f"omgrpo train: unknown backend '{backend}' (native, verl)", file=sys.stderr)
+    available = available_backends()
+    if backend not in available:
+        names = ", ".join(available)
+        print(f"omgrpo train: unknown backend '{backend}' ({names})", file=sys.stderr)
         return 2
-    # `backend` selects the trainer; it is not a key of the native config.
-    overrides = [o for o in overrides if not o.startswith("backend=")]
+    return importlib.import_module(f"omgrpo.backends.{backend}.launch").main(overrides)
 
-    import hydra
-    from omegaconf import DictConfig
 
-    from omgrpo.backends.native.trainer import train
-    from omgrpo.config import EXPERIMENTS_DIR, register_configs
+def available_backends() -> list[str]:
+    """The backends under omgrpo/backends/ (folders with a `launch.py`), native first."""
+    from pathlib import Path
 
-    register_configs()
-
-    @hydra.main(config_path=str(EXPERIMENTS_DIR), config_name="config", version_base="1.3")
-    def app(cfg: DictConfig) -> None:
-        run_dir = train(cfg)
-        print(f"run finished: {run_dir}  (metrics.jsonl, rollouts/, checkpoints/)")
-
-    sys.argv = ["omgrpo-train", *overrides]
-    app()
-    return 0
+    found = {p.parent.name for p in (Path(__file__).parent / "backends").glob("*/launch.py")}
+    return sorted(found, key=lambda name: (name != "native", name))
 
 
 def _base(args: list[str]) -> int:

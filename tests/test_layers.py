@@ -81,3 +81,12 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     (tmp_path / "omgrpo" / "core" / "y.py").write_text("from omgrpo.tasks.base import Problem\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "omgrpo")
     assert upward_imports() == ["omgrpo.core.x imports omgrpo.generation.engine"]
+
+
+def test_train_finds_backends_by_folder(capsys):
+    """`backend=NAME` is the folder omgrpo/backends/NAME/ with a launch.py; others are named."""
+    from omgrpo import cli
+
+    assert cli.available_backends() == ["native", "verl"]
+    assert cli.main(["train", "backend=nope", "trainer.steps=1"]) == 2
+    assert "unknown backend 'nope' (native, verl)" in capsys.readouterr().err

@@ -1,0 +1,27 @@
+"""`omgrpo train` on the native trainer: compose the Hydra config from experiments/ and train."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(overrides: list[str]) -> int:
+    """Train with Hydra's `omgrpo train [overrides...]` command line (`--cfg job`, multirun)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from omgrpo.backends.native.trainer import train
+    from omgrpo.config import EXPERIMENTS_DIR, register_configs
+
+    register_configs()
+    # `backend` selects the trainer; it is not a key of the native config.
+    overrides = [o for o in overrides if not o.startswith("backend=")]
+
+    @hydra.main(config_path=str(EXPERIMENTS_DIR), config_name="config", version_base="1.3")
+    def app(cfg: DictConfig) -> None:
+        run_dir = train(cfg)
+        print(f"run finished: {run_dir}  (metrics.jsonl, rollouts/, checkpoints/)")
+
+    sys.argv = ["omgrpo-train", *overrides]
+    app()
+    return 0
