@@ -9,7 +9,7 @@ from omgrpo.config import compose, to_container
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "analysis/README.md", "sweeps/README.md"]
-FILE_SUFFIXES = {"safetensors", "bin", "json", "jsonl", "parquet", "yaml", "log", "md", "png"}
+FILE_SUFFIXES = {"safetensors", "bin", "json", "jsonl", "parquet", "yaml", "log", "md", "png", "py"}
 
 
 def _has(config: dict, key: str) -> bool:
