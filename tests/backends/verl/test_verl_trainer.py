@@ -26,6 +26,7 @@ from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl import trainer as trainer_mod
 from omgrpo.backends.verl.config import compose_verl
 from omgrpo.backends.verl.loss import omgrpo_ppo_loss
+from omgrpo.backends.verl.record import CarRecord, RolloutRecord
 from omgrpo.backends.verl.trainer import OmgrpoTrainer
 
 LAUNCH = [
@@ -154,22 +155,26 @@ def test_compute_advantage_without_stored_entropy(make_trainer, monkeypatch):
 
 
 def record(k: int, answer: str, uid_start: float) -> dict:
-    return {
-        "answer": answer,
-        "correct": answer == "4",
-        "label": "4",
-        "prompt_id": "toy/1",
-        "session": k,
-        "rewards": {"soft_vote": 1.0, "format": 1.0},
-        "car": {
-            "pairs": [[k, 1 - k]],
-            "answers": [answer],
-            "truncated": 0,
-            "unclosed": 0,
-            "start": uid_start,
-            "end": uid_start + 2.5,
-        },
-    }
+    """What the agent loop writes for rollout k of a two-rollout group (`RolloutRecord`)."""
+    car = CarRecord(
+        pairs=[(k, 1 - k)],
+        answers=[answer],
+        truncated=0,
+        unclosed=0,
+        empty=0,
+        start=uid_start,
+        end=uid_start + 2.5,
+    )
+    return RolloutRecord(
+        answer=answer,
+        correct=answer == "4",
+        label="4",
+        prompt_id="toy/1",
+        session=k,
+        rewards={"soft_vote": 1.0, "format": 1.0},
+        grading_timeouts=0,
+        car=car,
+    ).to_dict()
 
 
 def metrics_rows(answers=("4", "5")) -> dict[str, dict]:
