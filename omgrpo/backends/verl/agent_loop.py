@@ -101,7 +101,7 @@ def car_prompt_ids(
         )
         over = len(ids) - budget
         if over <= 0:
-            return ids, (cut[0], cut[1])
+            return ids, (cut[0], cut[1])  # one flag per solution
         limit -= over // 2 + 1
     raise ValueError(
         f"CAR prompt does not fit: prompt {len(prompt_ids)} + template {template} + "
@@ -263,8 +263,9 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         results = await asyncio.gather(*(anchor(ks) for ks in by_anchor.values()))
         got = {k: a for ks, out in zip(by_anchor.values(), results) for k, a in zip(ks, out)}
         # `car/truncated` counts each cut solution once per group, as the native CAR does.
-        car = CarResult(pairs=[pairs], answers=[[]], texts=[[]], truncated=len(cut))
-        car.num_pairs = len(pairs)
+        car = CarResult(
+            pairs=[pairs], answers=[[]], texts=[[]], truncated=len(cut), num_pairs=len(pairs)
+        )
         for k in range(len(pairs)):
             car.add(0, *got[k])
         return car, start, time.time()

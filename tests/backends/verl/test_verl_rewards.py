@@ -38,7 +38,7 @@ from omgrpo.backends.verl.metrics import step_metrics
 from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
 from omgrpo.config import compose
-from omgrpo.core.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult
+from omgrpo.core.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult, car_text, cut_solutions
 from omgrpo.core.losses import answer_token_advantages
 from omgrpo.core.step import LoopState, extract_answer, score_step
 from omgrpo.core.step import step_metrics as native_step_metrics
@@ -448,3 +448,13 @@ def test_car_unclosed_counts_open_braces_only_and_the_record_round_trips(tok, mo
         state=LoopState(),
     )
     assert m["car/unclosed"] == pytest.approx(3 / 6) and m["car/pool_size"] == 3.0
+
+
+def test_car_prompt_ids_are_the_native_prompt_after_the_rollout_prompt(tok):
+    """One CAR prompt in both backends: verl's ids decode to the rollout prompt followed by the
+    native `car_text` of the native `cut_solutions`."""
+    prompt = ids(tok, PROMPT, eos=False)
+    s1, s2 = "2+2=4 so \\boxed{4} " * 3, "I think \\boxed{5}"
+    out, cut = al.car_prompt_ids(tok, prompt, ids(tok, s1), ids(tok, s2), 10, 4096, 8)
+    texts, flags = cut_solutions(tok, [s1, s2], 10)
+    assert tok.decode(out) == PROMPT + car_text("", *texts) and cut == tuple(flags) == (True, True)
