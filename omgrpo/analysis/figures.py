@@ -116,7 +116,7 @@ _UNIT_INTERVAL = re.compile(
     r"|peak_share)|acc/.+|recovery/cum_(pass|avg)|rollout/top_answer_share"
     r"|answers/(batch_mode_share|extract_rate|top_vote_acc|confidently_wrong|label_flip_rate"
     r"|wrong_majority|consistency|guess_rate_\w+|bare_guess_rate|peak_share)"
-    r"|car/(position_bias|select_correct|incorrect_pair_first|top_vote_acc_without_car|unclosed)"
+    r"|car/(position_bias|select_correct|incorrect_pair_first|top_vote_acc|unclosed)"
     r"|clip/frac|answer/frac)"
 )
 _NON_NEGATIVE = re.compile(
@@ -483,23 +483,21 @@ def draw_kl_answer_reasoning(df: pd.DataFrame, rollouts: pd.DataFrame | None = N
 
 def draw_car_top_vote(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
     """Paper Fig. (CAR and top-vote accuracy): how often the top-voted answer of a group is
-    correct, with CAR's augmented pool (solid, `answers/top_vote_acc`) and, on the same
-    rollouts, without the pair answers (dashed, `car/top_vote_acc_without_car`); right:
-    validation accuracy of om_grpo runs with and without CAR."""
+    correct, with CAR's augmented pool (solid, `car/top_vote_acc`) and, on the same rollouts,
+    without the pair answers (dashed, `answers/top_vote_acc`); right: validation accuracy of
+    om_grpo runs with and without CAR."""
     what = "CAR and top-vote accuracy"
-    _need(df, what, ["car/top_vote_acc_without_car", "answers/top_vote_acc"], HINT_CAR)
-    car = _car_on(df) & _numeric(df, "car/top_vote_acc_without_car").notna().groupby(
-        df["run"]
-    ).transform("any")
+    _need(df, what, ["car/top_vote_acc", "answers/top_vote_acc"], HINT_CAR)
+    car = _car_on(df) & _numeric(df, "car/top_vote_acc").notna().groupby(df["run"]).transform("any")
     runs = _with_labels(df[car])
     colors = _colors(runs)
     fig = _new_figure(1, 2, width=4.8)
     a, b = _axes(fig)
-    _curves(a, runs, "answers/top_vote_acc", colors=colors, suffix=" (with CAR)")
+    _curves(a, runs, "car/top_vote_acc", colors=colors, suffix=" (with CAR)")
     _curves(
         a,
         runs,
-        "car/top_vote_acc_without_car",
+        "answers/top_vote_acc",
         colors=colors,
         linestyle="--",
         suffix=" (without CAR)",

@@ -67,7 +67,8 @@ KNOWN_METRICS: tuple[str, ...] = (
     "response/length_mean",
     "car/position_bias", "car/select_correct", "car/incorrect_pair_first",
     "car/anchor_entropy_correct", "car/anchor_entropy_incorrect", "car/pool_size",
-    "car/top_vote_acc_without_car", "car/truncated", "car/unclosed", "car/num_pairs",
+    "car/top_vote_acc", "car/top_vote_acc_without_car", "car/truncated", "car/unclosed",
+    "car/num_pairs",
     "val/acc", "val/pass@k", *(f"val/pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)),
     "val/unique_answers", "val/extract_rate",
     "recovery/zero_pass_prompts", "recovery/cum_pass", "recovery/cum_avg",
@@ -78,6 +79,9 @@ KNOWN_METRICS: tuple[str, ...] = (
 
 LEGACY_PASS_AT_K = "val/pass@k"
 """verl runs before issue 24: `val/pass@<k>` under a literal `k` (`_numeric_pass_at_k`)."""
+LEGACY_TOP_VOTE_WITHOUT_CAR = "car/top_vote_acc_without_car"
+"""CAR runs before issue 24: the rollouts' vote under this name, the pool's as
+`answers/top_vote_acc` (`_top_vote_names`)."""
 
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
@@ -231,7 +235,7 @@ def _frame(
     source: str,
 ) -> pd.DataFrame:
     """A run's rows: identity + config columns (constant), `step`, then the metrics."""
-    metrics = _numeric_pass_at_k(metrics.copy(), config)
+    metrics = _top_vote_names(_numeric_pass_at_k(metrics.copy(), config))
     if "train/step" in metrics.columns:
         metrics = metrics.rename(columns={"train/step": "step"})
     if "step" not in metrics.columns:
@@ -263,6 +267,21 @@ def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.D
     name = f"val/pass@{k}"
     old = metrics.pop(LEGACY_PASS_AT_K)
     metrics[name] = metrics[name].combine_first(old) if name in metrics.columns else old
+    return metrics
+
+
+def _top_vote_names(metrics: pd.DataFrame) -> pd.DataFrame:
+    """`answers/top_vote_acc` is the rollouts' majority vote in every run since issue 24, and
+    CAR's augmented pool votes as `car/top_vote_acc`. Before, a CAR step logged the pool's vote
+    as `answers/top_vote_acc` and the rollouts' as `car/top_vote_acc_without_car`: such rows
+    are renamed to today's names."""
+    if LEGACY_TOP_VOTE_WITHOUT_CAR not in metrics.columns:
+        return metrics
+    old = metrics.pop(LEGACY_TOP_VOTE_WITHOUT_CAR)
+    car_rows = old.notna()
+    pool = metrics.get("answers/top_vote_acc", pd.Series(float("nan"), index=metrics.index))
+    metrics["car/top_vote_acc"] = pool.where(car_rows)
+    metrics["answers/top_vote_acc"] = old.where(car_rows, pool)
     return metrics
 
 

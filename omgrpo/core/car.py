@@ -402,11 +402,9 @@ def top_vote_metrics(
     labels: Sequence[str | None],
     grader: Grader | None = None,
 ) -> dict[str, float]:
-    """`answers/top_vote_acc` over the CAR-augmented pool and `car/top_vote_acc_without_car`
-    over the rollouts alone (labels diagnose only), with the step's `grader`."""
+    """`car/top_vote_acc`: the top vote over the CAR-augmented pool (rollouts + pair answers;
+    labels diagnose only), with the step's `grader`. The rollouts' own vote is
+    `answers/top_vote_acc` in every run, CAR or not (`omgrpo.core.diagnostics`)."""
     groups = list(zip(rollout_answers, pair_answers))
     grader = grader if grader is not None else Grader()
-    return {
-        "answers/top_vote_acc": top_vote_acc(groups, labels, True, grader),
-        "car/top_vote_acc_without_car": top_vote_acc(groups, labels, False, grader),
-    }
+    return {"car/top_vote_acc": top_vote_acc(groups, labels, True, grader)}

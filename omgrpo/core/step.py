@@ -277,7 +277,7 @@ def step_metrics(
     """Every diagnostic of one scored step (`state.last_majority` is updated in place).
 
     `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
-    `acc/train`, with CAR the `car/*` diagnostics and the pool's `answers/top_vote_acc`, and,
+    `acc/train`, with CAR the `car/*` diagnostics and the pool's vote `car/top_vote_acc`, and,
     where the batch holds tokens, `response/length_mean`; given the task's `probe` and problems
     that carry a difficulty (the toy world's), the answer-reasoning consistency and guess rates
     of `guess_diagnostics`, with the share of `probe.peak`. `confident_share` is

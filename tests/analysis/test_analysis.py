@@ -110,7 +110,7 @@ def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFr
                     if v["car"]:
                         row |= {
                             "time/car": 0.5,
-                            "car/top_vote_acc_without_car": 0.5 + noise(),
+                            "car/top_vote_acc": 0.5 + noise(),
                             "car/position_bias": 0.6 - 0.02 * step + noise(),
                             "car/select_correct": 0.8 + noise(),
                             "car/incorrect_pair_first": 0.5 + noise(),
@@ -180,7 +180,7 @@ def test_rollout_bias_without_rollouts(synth):
         ("kl_answer_reasoning", ["kl/answer"], "method=om_grpo"),
         ("unique_answers", ["answers/unique_per_prompt"], "method=gt"),
         ("rollout_bias", ["acc/train"], "method=mv"),
-        ("car_top_vote", ["car/top_vote_acc_without_car"], "car.enable=true"),
+        ("car_top_vote", ["car/top_vote_acc"], "car.enable=true"),
         ("car_mechanics", ["car/select_correct"], "car.enable=true"),
         ("failure_recovery", ["recovery/cum_pass"], "eval.every"),
         ("collapse_route", ["val/guess_rate_hard"], "experiment=toy_shortcut"),
@@ -607,3 +607,17 @@ def test_old_runs_literal_pass_at_k_is_read_as_pass_at_their_k(tmp_path, config,
     df = load_runs(tmp_path)
     assert df[column].tolist()[0] == 0.75 and math.isnan(df[column].tolist()[1])
     assert [c for c in df.columns if c.startswith("val/pass")] == [column]
+
+
+def test_old_car_runs_top_vote_columns_get_todays_names(tmp_path):
+    """Before issue 24 a CAR step logged the pool's vote as `answers/top_vote_acc` and the
+    rollouts' as `car/top_vote_acc_without_car`; a step without CAR keeps its value."""
+    store = RunStore(tmp_path / "old_car_run")
+    store.write_config({"run": {"name": "old", "experiment": "toy"}, "seed": 0})
+    old = {"answers/top_vote_acc": 0.25, "car/top_vote_acc_without_car": 0.75}
+    store.log_metrics(1, {"train/step": 1, **old})
+    store.log_metrics(2, {"train/step": 2, "answers/top_vote_acc": 0.5})
+    df = load_runs(tmp_path)
+    assert df["answers/top_vote_acc"].tolist() == [0.75, 0.5]
+    assert df["car/top_vote_acc"].tolist()[0] == 0.25 and math.isnan(df["car/top_vote_acc"][1])
+    assert "car/top_vote_acc_without_car" not in df.columns

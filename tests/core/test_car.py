@@ -374,10 +374,10 @@ def test_top_vote_accuracy_with_and_without_car():
     rollout_answers = [["3", "5", "5"], ["1", "1", "2"], ["7", "7", "8"]]
     pair_answers = [["3", "3", "3.0", None], ["2"], ["8"]]
     labels = ["3", "1", None]  # the unlabelled group is left out
-    metrics = top_vote_metrics(rollout_answers, pair_answers, labels)
     # with CAR: g1 3 (4 votes) beats 5 (2): right; g2 1 and 2 tie at 2, 1 first: right
-    assert metrics["answers/top_vote_acc"] == 1.0
+    assert top_vote_metrics(rollout_answers, pair_answers, labels) == {"car/top_vote_acc": 1.0}
     # without: g1 5 wins: wrong; g2 1 wins: right
-    assert metrics["car/top_vote_acc_without_car"] == 0.5
+    groups = list(zip(rollout_answers, pair_answers))
+    assert top_vote_acc(groups, labels, use_pool=False) == 0.5
     assert top_vote_acc([(["3"], None)], ["\\frac{6}{2}"]) == 1.0
     assert math.isnan(top_vote_acc([(["3"], ["3"])], [None]))

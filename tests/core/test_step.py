@@ -90,8 +90,9 @@ def test_car_answers_join_the_pool_and_the_metrics(tok):
     assert m["acc/train"] == pytest.approx(2 / 6)
     # pool size: G + pair answers that are not None: (3 + 2 + 3 + 1) / 2
     assert m["car/num_pairs"] == 4 and m["car/pool_size"] == 4.5
-    # the pool's majority: group 0 "4" (right), group 1 a tie 9/8 won by 9 (first seen)
-    assert m["answers/top_vote_acc"] == 0.5 and m["car/top_vote_acc_without_car"] == 0.5
+    # the pool's majority: group 0 "4" (right), group 1 a tie 9/8 won by 9 (first seen);
+    # the rollouts' own: group 0 a tie 4/5 won by 4 (right), group 1 "9" (wrong)
+    assert m["car/top_vote_acc"] == 0.5 and m["answers/top_vote_acc"] == 0.5
     assert m["answers/label_flip_rate"] == 1.0 and state.last_majority == {"p1": "9", "p0": "4"}
     assert m["response/length_mean"] == pytest.approx(sum(map(len, TEXTS)) / 6)
     assert m["answers/batch_mode"] == "9"

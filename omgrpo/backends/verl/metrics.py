@@ -115,7 +115,7 @@ def step_metrics(
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
         `answers/batch_mode`; `answers/grading_timeouts` summed over the groups' budgets), `acc/train`, and with CAR the `car/*` diagnostics,
-        `car/top_vote_acc_without_car`, `car/seconds` (summed over groups) and `car/span_s`
+        `car/top_vote_acc` (the pool's vote), `car/seconds` (summed over groups) and `car/span_s`
         (wall clock from the first pair request to the last answer of the step).
     """
     if not records:

@@ -32,7 +32,7 @@ OMGRPO_METRICS = (
 )  # fmt: skip
 """omgrpo's names that every training step must log through verl (CAR adds `CAR_METRICS`)."""
 
-CAR_METRICS = ("car/pool_size", "car/unclosed", "car/top_vote_acc_without_car", "timing_s/car")
+CAR_METRICS = ("car/pool_size", "car/unclosed", "car/top_vote_acc", "timing_s/car")
 
 COLLAPSE_AT_STEP_2 = [
     "omgrpo.collapse.stop=true",

@@ -199,7 +199,9 @@ def test_car_enlarges_the_pool_but_not_the_training_batch(tiny_overrides):
     G, prompts = 4, 2
     assert row["car/num_pairs"] == prompts * G * (G - 1)
     assert G <= row["car/pool_size"] <= G + G * (G - 1)
-    assert {"time/car", "car/position_bias", "car/top_vote_acc_without_car"} <= set(row.index)
+    assert {"time/car", "car/position_bias", "car/top_vote_acc", "answers/top_vote_acc"} <= set(
+        row.index
+    )
     rollouts = RunStore(run).read_rollouts()
     assert len(rollouts) == prompts * G  # pair answers are validators, never trained on
 

@@ -275,7 +275,7 @@ def test_step_metrics_with_car_records(tok, monkeypatch):
     )
     assert m["car/num_pairs"] == 12 and m["car/pool_size"] == pytest.approx(9.0)
     assert m["car/position_bias"] == 0.0  # the fake always picks solution 2
-    assert m["answers/top_vote_acc"] == 0.5 and m["car/top_vote_acc_without_car"] == 0.5
+    assert m["car/top_vote_acc"] == 0.5 and m["answers/top_vote_acc"] == 0.5
     assert m["answers/confidently_wrong"] == 0.5  # group u1: "9" holds 2/3 >= 0.6, wrong
     assert m["car/seconds"] >= 0 and m["car/span_s"] >= 0
     # Both groups carry prompt id toy/7: the second visit flips the majority from 4 to 9.
