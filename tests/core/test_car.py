@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from omegaconf import OmegaConf
+from toy_models import random_toy_model
 
 from omgrpo.core import car as car_module
 from omgrpo.core import rewards as rewards_module
@@ -30,7 +30,6 @@ from omgrpo.core.rewards import REWARDS, make_group
 from omgrpo.generation.car import generate_pair_answers, generate_pair_answers_plain
 from omgrpo.generation.engine import prefix_tree_forward
 from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.models.toy import build_toy_model
 
 SYSTEM = "Let's think step by step and output the final answer within \\boxed{}."
 QUESTION = "Evaluate left to right: 7+5*3"
@@ -51,21 +50,6 @@ def _no_math_verify(monkeypatch):
     monkeypatch.setattr(rewards_module, "Grader", no_mv)
 
 
-def _toy(num_layers: int, seed: int, num_heads: int = 2, num_kv_heads: int = 1):
-    """A random toy Qwen3 with an untied random output layer, so greedy tokens vary by row."""
-    tok = build_char_tokenizer()
-    arch = dict(hidden_size=32, num_layers=num_layers, num_heads=num_heads)
-    cfg = OmegaConf.create(dict(arch, num_kv_heads=num_kv_heads))
-    model = build_toy_model(cfg, tok, seed=seed).eval()
-    head = torch.nn.Linear(32, len(tok), bias=False)
-    with torch.no_grad():
-        head.weight.copy_(
-            torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(7))
-        )
-    model.lm_head = head
-    return model, tok
-
-
 # -- pool and soft reward -----------------------------------------------------------------
 def test_car_answers_enlarge_the_soft_vote_pool():
     rollouts = ["1/2", "\\frac{1}{2}", "3", None]
@@ -82,7 +66,7 @@ def test_car_answers_enlarge_the_soft_vote_pool():
 
 
 def test_pair_answers_are_validators_only_and_the_batch_stays_prompts_times_g():
-    model, tok = _toy(1, 0)
+    model, tok = random_toy_model(1, 0)
     groups = [(QUESTION, SOLUTIONS), ("What is 2+2?", SOLUTIONS[:3])]
     result = generate_pair_answers(model, tok, groups, CarConfig(max_new_tokens=3), rng=0)
     assert model.config._attn_implementation == "eager"  # SDPA only inside CAR, then restored
@@ -166,7 +150,7 @@ def test_prompt_is_the_papers_template():
 # -- generation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_prefix_sharing_matches_the_plain_path_under_greedy_decoding(num_layers):
-    model, tok = _toy(num_layers, seed=num_layers)
+    model, tok = random_toy_model(num_layers, seed=num_layers)
     groups = [(QUESTION, SOLUTIONS), ("What is 2+2?", SOLUTIONS[1:])]
     # chunk_pairs=5: chunks hold whole anchors from different groups and of different sizes
     cfg = CarConfig(temperature=0.0, max_new_tokens=6, chunk_pairs=5, max_solution_tokens=30)
@@ -182,7 +166,7 @@ def test_prefix_sharing_matches_the_plain_path_under_greedy_decoding(num_layers)
 
 
 def test_prefix_tree_forward_equals_the_plain_forward():
-    model, tok = _toy(2, seed=0)
+    model, tok = random_toy_model(2, seed=0)
     rows = [
         tok(car_prompt(tok, q, SOLUTIONS[i], SOLUTIONS[j]), add_special_tokens=False)["input_ids"]
         for q in (QUESTION, "Hi")
@@ -207,7 +191,7 @@ def test_prefix_tree_forward_equals_the_plain_forward():
 
 
 def test_identical_rows_are_computed_once_and_decode_like_the_plain_path():
-    model, tok = _toy(2, seed=3)
+    model, tok = random_toy_model(2, seed=3)
     # a group that agrees: three copies of one solution A and one other B
     sols = [SOLUTIONS[0], SOLUTIONS[0], SOLUTIONS[3], SOLUTIONS[0]]
     cfg = CarConfig(temperature=0.0, max_new_tokens=6, max_solution_tokens=60)
@@ -295,7 +279,7 @@ class _CloseAtPositions(torch.nn.Module):
 
 
 def test_decoding_matches_a_cache_free_reference_when_rows_stop_at_different_steps():
-    model, tok = _toy(2, seed=0)
+    model, tok = random_toy_model(2, seed=0)
     lm = _CloseAtPositions(model, tok.convert_tokens_to_ids("}"))
     groups = [(QUESTION, SOLUTIONS[:3]), ("What is 2+2?", SOLUTIONS[2:])]
     cfg = CarConfig(temperature=0.0, max_new_tokens=6, chunk_pairs=3)

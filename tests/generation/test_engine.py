@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_car import _toy  # a random toy Qwen3 with an untied random output layer
+from toy_models import random_toy_model
 
 from omgrpo.generation import engine
 from omgrpo.generation.engine import (
@@ -22,7 +22,7 @@ QUESTIONS = ["Evaluate left to right: 7+5", "Hi", "Evaluate: 12*3-4+1"]
 
 
 def _model(num_heads=4, num_kv_heads=2):
-    return _toy(2, seed=0, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    return random_toy_model(2, seed=0, num_heads=num_heads, num_kv_heads=num_kv_heads)
 
 
 def _prompts(tok):

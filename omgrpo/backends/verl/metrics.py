@@ -24,7 +24,7 @@ from omgrpo.core.step import LoopState, StepBatch
 from omgrpo.core.step import step_metrics as batch_metrics
 from omgrpo.tasks import Problem
 
-__all__ = ["batch_from_records", "step_metrics"]
+__all__ = ["batch_from_records", "records_metrics"]
 
 
 def _group_rows(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[list[int]]:
@@ -92,7 +92,7 @@ def batch_from_records(
     )
 
 
-def step_metrics(
+def records_metrics(
     uids: Sequence[Any],
     records: Sequence[RolloutRecord | dict],
     rewards: Sequence[float],

@@ -43,7 +43,7 @@ from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.advantage import weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
-from omgrpo.backends.verl.metrics import step_metrics
+from omgrpo.backends.verl.metrics import records_metrics
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.losses import token_means, token_roles, token_stats
@@ -183,7 +183,7 @@ class OmgrpoTrainer(PPOTrainerSync):
                 "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
             )
         rewards = data.select("rm_scores").to_padded_tensor()["rm_scores"].sum(-1).tolist()
-        return step_metrics(
+        return records_metrics(
             data.get("uid").tolist(),
             records,
             rewards,

@@ -34,7 +34,7 @@ from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl import agent_loop as al
 from omgrpo.backends.verl.advantage import apply_answer_weighting
 from omgrpo.backends.verl.config import OmgrpoVerlConfig
-from omgrpo.backends.verl.metrics import step_metrics
+from omgrpo.backends.verl.metrics import records_metrics
 from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
 from omgrpo.config import compose
@@ -249,7 +249,7 @@ def test_agent_loop_without_car_and_metrics(tok, monkeypatch):
     outs = asyncio.run(run_group(worker, tok, RESPONSES))
     assert not worker.llm_client.calls
     assert [o.reward_score for o in outs] == pytest.approx([2 / 3 + 1, 2 / 3 + 1, 1 / 3 + 1])
-    m = step_metrics(
+    m = records_metrics(
         ["u0"] * 3,
         [o.extra_fields[RECORD_KEY] for o in outs],
         [o.reward_score for o in outs],
@@ -261,12 +261,12 @@ def test_agent_loop_without_car_and_metrics(tok, monkeypatch):
     assert m["answers/top_vote_acc"] == 1.0 and not any(k.startswith("car/") for k in m)
 
 
-def test_step_metrics_with_car_records(tok, monkeypatch):
+def test_records_metrics_with_car_records(tok, monkeypatch):
     worker, _ = make_worker(tok, monkeypatch)
     outs = asyncio.run(run_group(worker, tok, RESPONSES))
     outs += asyncio.run(run_group(worker, tok, ["\\boxed{9}", "\\boxed{9}", "x"], uid="u1"))
     state = LoopState()
-    m = step_metrics(
+    m = records_metrics(
         ["u0"] * 3 + ["u1"] * 3,
         [o.extra_fields[RECORD_KEY] for o in outs],
         [o.reward_score for o in outs],
@@ -408,7 +408,7 @@ def test_verl_and_native_score_the_same_groups_identically(tok, monkeypatch, car
     assert native_tokens.abs().sum() > 0
 
     # metrics: the driver's from the records, the native trainer's from its batch
-    verl_m = step_metrics(
+    verl_m = records_metrics(
         uids, records, [o.reward_score for o in outs], confident_share=0.6, state=LoopState()
     )
     native_m = native_step_metrics(native, LoopState(), 0.6)
@@ -440,7 +440,7 @@ def test_car_unclosed_counts_open_braces_only_and_the_record_round_trips(tok, mo
     record = RolloutRecord.from_dict(raw)
     assert record.to_dict() == raw and record.car.pairs == [(0, 1), (0, 2)]
     assert record.car.answers == [None, None]
-    m = step_metrics(
+    m = records_metrics(
         ["u0"] * 3,
         [o.extra_fields[RECORD_KEY] for o in outs],
         [o.reward_score for o in outs],
