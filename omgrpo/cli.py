@@ -1,4 +1,4 @@
-"""`omgrpo` command line: train, sync, sweep, bench, eval, data, tables, figures, report.
+"""`omgrpo` command line: train, sync, sweep, bench, eval, export, data, tables, figures, report.
 
 `omgrpo train [key=value ...] [--multirun]` is a Hydra app over `experiments/config.yaml`;
 everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` and
@@ -41,6 +41,9 @@ commands:
                          [--backend native|vllm]
                          sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)
                          into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md)
+  export RUN OUT [--checkpoint last|best|step_N]
+                         a run's checkpoint as a Hugging Face model directory (safetensors,
+                         tokenizer, generation config, omgrpo_export.json) for vLLM / transformers
   data convert SOURCE --out FILE.jsonl [--split S] [--config C]
                          a local benchmark copy (file or HF datasets cache) -> question/answer rows
   tables RUNS_OR_EVALS... --out DIR
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         from omgrpo.tools.bench import main as bench_main
 
         return bench_main(rest)
-    if command in {"eval", "data"}:
+    if command in {"eval", "data", "export"}:
         from omgrpo.eval import cli as eval_cli
 
         return getattr(eval_cli, f"{command}_main")(rest)

@@ -1,4 +1,5 @@
-"""`omgrpo eval ...` and `omgrpo data convert ...` (exit status 0, or 2 with the reason)."""
+"""`omgrpo eval ...`, `omgrpo export ...` and `omgrpo data convert ...` (exit status 0, or 2
+with the reason)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,33 @@ def eval_main(argv: list[str]) -> int:
         ValueError,
     ) as e:
         return _fail("omgrpo eval", str(e))
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from omgrpo.eval.checkpoints import CheckpointError
+    from omgrpo.eval.export import export_run
+
+    parser = argparse.ArgumentParser(
+        prog="omgrpo export",
+        description="Export a run's checkpoint as a Hugging Face model directory (safetensors, "
+        "tokenizer, generation config, omgrpo_export.json) that vLLM, transformers and "
+        "`omgrpo eval` load.",
+    )
+    parser.add_argument("run", help="a run directory (runs/<name>)")
+    parser.add_argument("out", help="a new (or empty) folder")
+    parser.add_argument(
+        "--checkpoint", default="last", help="last (default), best (by --select-metric), step_N"
+    )
+    parser.add_argument("--select-metric", default="val/acc", help="metric for 'best'")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    try:
+        out = export_run(ns.run, ns.out, ns.checkpoint, ns.select_metric)
+    except (FileNotFoundError, FileExistsError, CheckpointError, ValueError) as e:
+        return _fail("omgrpo export", str(e))
+    print(f"exported {ns.run} ({ns.checkpoint}) -> {out}")
     return 0
 
 
