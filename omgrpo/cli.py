@@ -38,9 +38,12 @@ commands:
                          16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR;
                          --vs-trl: TRL's GRPOTrainer; --repeats: interleaved rounds, medians
   eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
-                         [--backend native|vllm]
+                         [--backend native|vllm] [--tensor-parallel-size N]
+                         [--gpu-memory-utilization F]
                          sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)
-                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md)
+                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md);
+                         the default suite is the run's own (toy for a toy run); a directory
+                         `omgrpo export` wrote is evaluated as a model directory
   export RUN OUT [--checkpoint last|best|step_N]
                          a run's checkpoint as a Hugging Face model directory (safetensors,
                          tokenizer, generation config, omgrpo_export.json) for vLLM / transformers

@@ -24,7 +24,9 @@ def eval_main(argv: list[str]) -> int:
     )
     parser.add_argument("targets", nargs="+", help="run directories or HF model directories")
     parser.add_argument(
-        "--suite", default="paper", help="paper (default), toy, or a suite YAML (docs/eval.md)"
+        "--suite",
+        help="paper, toy, or a suite YAML (docs/eval.md); default: the run's own (toy for a toy "
+        "run or its export, else paper)",
     )
     parser.add_argument(
         "--checkpoint",
@@ -35,6 +37,14 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--select-split", default="val", help="split of that metric (val)")
     parser.add_argument("--backend", default="native", choices=BACKENDS)
     parser.add_argument("--batch-size", type=int, default=256, help="rollouts sampled at once")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, help="vLLM: GPUs one model is split over"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="vLLM: share of each GPU's memory vLLM may take (vLLM's default 0.9)",
+    )
     parser.add_argument("--device", default="auto", help="auto (the run's), cpu, cuda[:N]")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", help="output folder (one target only)")
@@ -49,7 +59,7 @@ def eval_main(argv: list[str]) -> int:
 
         torch.set_num_threads(ns.threads)
     try:
-        suite = load_suite(ns.suite)
+        suite = load_suite(ns.suite) if ns.suite else None  # None: each run's own
         for target in ns.targets:
             start = time.perf_counter()
             out = evaluate(
@@ -61,6 +71,8 @@ def eval_main(argv: list[str]) -> int:
                 backend=ns.backend,
                 batch_size=ns.batch_size,
                 device=ns.device,
+                tensor_parallel_size=ns.tensor_parallel_size,
+                gpu_memory_utilization=ns.gpu_memory_utilization,
                 out=ns.out,
                 track=not ns.no_track,
             )

@@ -7,32 +7,14 @@ import json
 
 import pytest
 import torch
-from conftest import TINY  # tests/ is on sys.path (pytest's rootdir conftest)
+from toy_runs import train_tiny_run  # tests/ is on sys.path (pytest's rootdir conftest)
 
 from omgrpo.cli import main
 
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory, base_cache):
-    """A 3-step toy run with checkpoints at steps 2 and 3 (one torch thread: far faster for the
-    tiny model on a shared 2-core machine)."""
-    from omgrpo.backends.native.trainer import train
-    from omgrpo.config import compose
-
-    threads = torch.get_num_threads()
-    root = tmp_path_factory.mktemp("export-runs")
-    overrides = [
-        *TINY,
-        f"model.cache_dir={base_cache}",
-        f"run.root={root}",
-        "trainer.steps=3",
-        "trainer.save_every=2",
-        "trainer.keep_checkpoints=2",
-        "trainer.threads=1",
-    ]
-    run = train(compose(overrides))
-    torch.set_num_threads(threads)
-    return run
+    return train_tiny_run(tmp_path_factory.mktemp("export-runs"), base_cache)
 
 
 def _trainer_policy(run, step):
