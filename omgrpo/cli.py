@@ -1,4 +1,4 @@
-"""`omgrpo` command line: train, sync, sweep, bench, eval, data, tables, figures, report.
+"""`omgrpo` command line: train, sync, sweep, bench, eval, export, data, tables, figures, report.
 
 `omgrpo train [key=value ...] [--multirun]` is a Hydra app over `experiments/config.yaml`;
 everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` and
@@ -38,9 +38,15 @@ commands:
                          16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR;
                          --vs-trl: TRL's GRPOTrainer; --repeats: interleaved rounds, medians
   eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
-                         [--backend native|vllm]
+                         [--backend native|vllm] [--tensor-parallel-size N]
+                         [--gpu-memory-utilization F]
                          sample, grade and summarise benchmarks (avg@k, pass@k, maj@k, 95% CIs)
-                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md)
+                         into <run>/eval/<suite>/ and the run's MLflow / W&B run (docs/eval.md);
+                         the default suite is the run's own (toy for a toy run); a directory
+                         `omgrpo export` wrote is evaluated as a model directory
+  export RUN OUT [--checkpoint last|best|step_N]
+                         a run's checkpoint as a Hugging Face model directory (safetensors,
+                         tokenizer, generation config, omgrpo_export.json) for vLLM / transformers
   data convert SOURCE --out FILE.jsonl [--split S] [--config C]
                          a local benchmark copy (file or HF datasets cache) -> question/answer rows
   tables RUNS_OR_EVALS... --out DIR
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         from omgrpo.tools.bench import main as bench_main
 
         return bench_main(rest)
-    if command in {"eval", "data"}:
+    if command in {"eval", "data", "export"}:
         from omgrpo.eval import cli as eval_cli
 
         return getattr(eval_cli, f"{command}_main")(rest)

@@ -1,4 +1,5 @@
-"""`omgrpo eval ...` and `omgrpo data convert ...` (exit status 0, or 2 with the reason)."""
+"""`omgrpo eval ...`, `omgrpo export ...` and `omgrpo data convert ...` (exit status 0, or 2
+with the reason)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def eval_main(argv: list[str]) -> int:
     )
     parser.add_argument("targets", nargs="+", help="run directories or HF model directories")
     parser.add_argument(
-        "--suite", default="paper", help="paper (default), toy, or a suite YAML (docs/eval.md)"
+        "--suite",
+        help="paper, toy, or a suite YAML (docs/eval.md); default: the run's own (toy for a toy "
+        "run or its export, else paper)",
     )
     parser.add_argument(
         "--checkpoint",
@@ -34,6 +37,14 @@ def eval_main(argv: list[str]) -> int:
     parser.add_argument("--select-split", default="val", help="split of that metric (val)")
     parser.add_argument("--backend", default="native", choices=BACKENDS)
     parser.add_argument("--batch-size", type=int, default=256, help="rollouts sampled at once")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, help="vLLM: GPUs one model is split over"
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        help="vLLM: share of each GPU's memory vLLM may take (vLLM's default 0.9)",
+    )
     parser.add_argument("--device", default="auto", help="auto (the run's), cpu, cuda[:N]")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--out", help="output folder (one target only)")
@@ -48,7 +59,7 @@ def eval_main(argv: list[str]) -> int:
 
         torch.set_num_threads(ns.threads)
     try:
-        suite = load_suite(ns.suite)
+        suite = load_suite(ns.suite) if ns.suite else None  # None: each run's own
         for target in ns.targets:
             start = time.perf_counter()
             out = evaluate(
@@ -60,6 +71,8 @@ def eval_main(argv: list[str]) -> int:
                 backend=ns.backend,
                 batch_size=ns.batch_size,
                 device=ns.device,
+                tensor_parallel_size=ns.tensor_parallel_size,
+                gpu_memory_utilization=ns.gpu_memory_utilization,
                 out=ns.out,
                 track=not ns.no_track,
             )
@@ -72,6 +85,33 @@ def eval_main(argv: list[str]) -> int:
         ValueError,
     ) as e:
         return _fail("omgrpo eval", str(e))
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from omgrpo.eval.checkpoints import CheckpointError
+    from omgrpo.eval.export import export_run
+
+    parser = argparse.ArgumentParser(
+        prog="omgrpo export",
+        description="Export a run's checkpoint as a Hugging Face model directory (safetensors, "
+        "tokenizer, generation config, omgrpo_export.json) that vLLM, transformers and "
+        "`omgrpo eval` load.",
+    )
+    parser.add_argument("run", help="a run directory (runs/<name>)")
+    parser.add_argument("out", help="a new (or empty) folder")
+    parser.add_argument(
+        "--checkpoint", default="last", help="last (default), best (by --select-metric), step_N"
+    )
+    parser.add_argument("--select-metric", default="val/acc", help="metric for 'best'")
+    ns = _parse(parser, argv)
+    if isinstance(ns, int):
+        return ns
+    try:
+        out = export_run(ns.run, ns.out, ns.checkpoint, ns.select_metric)
+    except (FileNotFoundError, FileExistsError, CheckpointError, ValueError) as e:
+        return _fail("omgrpo export", str(e))
+    print(f"exported {ns.run} ({ns.checkpoint}) -> {out}")
     return 0
 
 

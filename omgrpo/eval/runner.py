@@ -17,11 +17,14 @@ not evaluated again (resume after an interruption; finished benchmarks are kept)
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import hashlib
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,8 @@ from omgrpo.core.answers import Grader
 from omgrpo.eval.checkpoints import Choice, choose_checkpoint
 from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
-from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler
-from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite
+from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler, require_vllm
+from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite, default_suite_name, load_suite
 from omgrpo.tasks.base import Problem
 from omgrpo.tracking.store import RunStore
 
@@ -48,18 +51,26 @@ class Target:
 
     path: Path
     config: dict[str, Any] | None  # the run's resolved config; None for a model directory
+    export: dict[str, Any] | None = None  # omgrpo_export.json of a directory `omgrpo export` wrote
 
     @property
     def is_run(self) -> bool:
         return self.config is not None
 
+    @property
+    def run_config(self) -> dict[str, Any] | None:
+        """The config of the run the weights come from (a run's, or an export's), if known."""
+        return self.config if self.is_run else (self.export or {}).get("config")
+
 
 def resolve_target(path: str | Path) -> Target:
+    from omgrpo.backends.native.export import read_export_meta
+
     path = Path(path)
     if (path / "config.yaml").exists():
         return Target(path, RunStore(path).read_config())
     if (path / "config.json").exists():
-        return Target(path, None)
+        return Target(path, None, read_export_meta(path))
     raise FileNotFoundError(
         f"{path}: neither a run directory (config.yaml) nor a Hugging Face model directory "
         "(config.json)"
@@ -93,11 +104,12 @@ def eval_dir(target: Target, suite: Suite, checkpoint: str, out: str | Path | No
 # Loading the model
 # ----------------------------------------------------------------------------------------
 def _task_config(target: Target):
-    """The task whose toy test split `toy:test` means (the run's; else the toy preset's)."""
+    """The task whose toy test split `toy:test` means: the run's (an exported directory's run
+    too); else the toy preset's."""
     from omegaconf import OmegaConf
 
-    if target.is_run:
-        return OmegaConf.create(target.config).task
+    if target.run_config is not None:
+        return OmegaConf.create(target.run_config).task
     from omgrpo.config import compose
 
     return compose(["experiment=toy"]).task
@@ -132,18 +144,48 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     return model.eval(), load_tokenizer(base), base
 
 
-def make_sampler(backend: str, model, tokenizer, base: str, choice: Choice, batch_size: int):
+def build_sampler(
+    target: Target,
+    choice: Choice,
+    backend: str,
+    *,
+    device: str,
+    batch_size: int,
+    llm_kwargs: dict[str, Any],
+    scratch: ExitStack,
+    scratch_dir: Path,
+) -> Sampler:
+    """The sampler for `backend`. vLLM loads the weights itself from a HF directory, so on
+    that path this process never holds a torch copy next to vLLM's (`vllm_model_dir`)."""
     if backend == "native":
+        model, tokenizer, _ = load_policy(target, choice, device)
         return NativeSampler(model, tokenizer, batch_size)
     if backend == "vllm":
-        model_dir = base
-        if choice.path is not None:  # vLLM loads weights from a HF directory
-            model_dir = str(Path(choice.path) / "hf")
-            if not (Path(model_dir) / "config.json").exists():
-                model.save_pretrained(model_dir)
-                tokenizer.save_pretrained(model_dir)
-        return VLLMSampler(model_dir, tokenizer)
+        from omgrpo.models.loading import load_tokenizer
+
+        require_vllm()  # before exporting a checkpoint for nothing
+        model_dir = vllm_model_dir(target, choice, scratch, scratch_dir)
+        return VLLMSampler(model_dir, load_tokenizer(model_dir), **llm_kwargs)
     raise ValueError(f"unknown backend '{backend}': native or vllm")
+
+
+def vllm_model_dir(target: Target, choice: Choice, scratch: ExitStack, scratch_dir: Path) -> str:
+    """The HF directory vLLM reads: a model directory as it is, a run's base, or a run's
+    checkpoint exported (on the CPU, freed before this returns) into a temporary folder under
+    `scratch_dir` (the evaluation's own folder: a 7B export does not fit every /tmp), removed
+    when `scratch` closes."""
+    from omgrpo.backends.native.export import export_checkpoint, run_base_dir
+
+    if not target.is_run:
+        return str(target.path)
+    if choice.path is None:
+        return run_base_dir(target.config)
+    tmp = scratch.enter_context(tempfile.TemporaryDirectory(prefix=".vllm-", dir=scratch_dir))
+    out = export_checkpoint(
+        choice.path, Path(tmp) / "model", run_dir=target.path, label=choice.name, why=choice.why
+    )
+    gc.collect()
+    return str(out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -239,7 +281,7 @@ def _progress_printer(name: str) -> Callable[[int, int], None]:
 
 def evaluate(
     target_path: str | Path,
-    suite: Suite,
+    suite: Suite | None = None,
     *,
     checkpoint: str = "last",
     select_metric: str = "val/acc",
@@ -247,13 +289,28 @@ def evaluate(
     backend: str = "native",
     batch_size: int = 256,
     device: str = "auto",
+    tensor_parallel_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
     out: str | Path | None = None,
     track: bool = True,
     say: Callable[[str], None] = print,
 ) -> Path:
-    """Evaluate a run's checkpoint (or a model directory) on every benchmark of `suite`;
-    returns the evaluation directory (with summary.json)."""
+    """Evaluate a run's checkpoint (or a model directory) on every benchmark of `suite` (None:
+    the run's own, `default_suite_name`); returns the evaluation directory (with summary.json).
+    `tensor_parallel_size` / `gpu_memory_utilization` go to `vllm.LLM` (None: vLLM's default)."""
+    llm_kwargs = {
+        k: v
+        for k, v in (
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("gpu_memory_utilization", gpu_memory_utilization),
+        )
+        if v is not None
+    }
+    if llm_kwargs and backend != "vllm":
+        raise ValueError("--tensor-parallel-size / --gpu-memory-utilization need --backend vllm")
     target = resolve_target(target_path)
+    if suite is None:
+        suite = load_suite(default_suite_name(target.run_config))
     choice = _checkpoint_choice(target, suite, checkpoint, select_metric, select_split)
     out_dir = eval_dir(target, suite, checkpoint, out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -262,17 +319,28 @@ def evaluate(
 
     sampler = None
     results: dict[str, Any] = {}
-    for spec in suite.benchmarks:
-        done = _earlier_result(out_dir, spec, choice, version)
-        if done is not None:
-            say(f"  {spec.name}: done before, kept ({out_dir / f'{spec.name}.json'})")
-            results[spec.name] = done
-            continue
-        problems = benchmark_problems(spec, target)
-        if sampler is None:  # loaded once, and only when a benchmark is not done yet
-            model, tokenizer, base = load_policy(target, choice, device)
-            sampler = make_sampler(backend, model, tokenizer, base, choice, batch_size)
-        results[spec.name] = _run_benchmark(sampler, spec, problems, out_dir, choice, version, say)
+    with ExitStack() as scratch:  # a checkpoint exported for vLLM lives until the suite is done
+        for spec in suite.benchmarks:
+            done = _earlier_result(out_dir, spec, choice, version)
+            if done is not None:
+                say(f"  {spec.name}: done before, kept ({out_dir / f'{spec.name}.json'})")
+                results[spec.name] = done
+                continue
+            problems = benchmark_problems(spec, target)
+            if sampler is None:  # loaded once, and only when a benchmark is not done yet
+                sampler = build_sampler(
+                    target,
+                    choice,
+                    backend,
+                    device=device,
+                    batch_size=batch_size,
+                    llm_kwargs=llm_kwargs,
+                    scratch=scratch,
+                    scratch_dir=out_dir,
+                )
+            results[spec.name] = _run_benchmark(
+                sampler, spec, problems, out_dir, choice, version, say
+            )
     summary = {
         "suite": suite.name,
         "target": str(target.path),
@@ -362,7 +430,10 @@ def _identity(target: Target) -> dict[str, Any]:
     from omgrpo.tracking import run_method, run_scale
 
     if not target.is_run:
-        return {"model": str(target.path)}
+        exported = target.export or {}
+        keep = ("run", "run_dir", "checkpoint", "step", "config_sha256")
+        origin = {k: exported[k] for k in keep if k in exported}
+        return {"model": str(target.path), **({"exported_from": origin} if origin else {})}
     run = target.config.get("run") or {}
     return {
         "name": run.get("name", target.path.name),

@@ -2,7 +2,8 @@
 
 - `native`: `omgrpo.generation.rollout.sample` (KV cache, CPU or one GPU), the trainer's sampler.
 - `vllm`: vLLM's offline `LLM.generate` (optional: `pip install -e '.[vllm]'`); a GPU user
-  evaluates at vLLM speed. Run checkpoints are exported to a Hugging Face directory first.
+  evaluates at vLLM speed. A run's checkpoint is exported to a temporary Hugging Face directory
+  first (`omgrpo export`'s code, on the CPU); vLLM then loads the weights itself.
 
 Both render the prompt with `omgrpo.tasks.PromptEncoder` (system prompt + question through the
 model's chat template) and stop at the same tokens (`rollout.stop_token_ids`).
@@ -59,17 +60,26 @@ class NativeSampler:
         return [texts[i * spec.k : (i + 1) * spec.k] for i in range(len(problems))]
 
 
+def require_vllm() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            "--backend vllm needs vLLM: `pip install -e '.[vllm]'` (a build matching your "
+            "CUDA); or use --backend native"
+        ) from e
+
+
 class VLLMSampler:
+    """vLLM's offline engine built from a HF directory; `llm_kwargs` go to `vllm.LLM`
+    (tensor_parallel_size, gpu_memory_utilization)."""
+
     name = "vllm"
 
     def __init__(self, model_dir: str, tokenizer, dtype: str = "auto", **llm_kwargs):
-        try:
-            from vllm import LLM
-        except ImportError as e:
-            raise ImportError(
-                "--backend vllm needs vLLM: `pip install -e '.[vllm]'` (a build matching your "
-                "CUDA); or use --backend native"
-            ) from e
+        require_vllm()
+        from vllm import LLM
+
         self.tokenizer = tokenizer
         self.llm = LLM(model=model_dir, dtype=dtype, **llm_kwargs)
         self.stop_ids = stop_token_ids(tokenizer, None)  # vLLM adds the model's own eos

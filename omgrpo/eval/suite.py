@@ -74,6 +74,13 @@ PAPER_BENCHMARKS = {  # name -> (file, k); the paper's appendix "Evaluation"
 }
 
 
+def default_suite_name(config: dict[str, Any] | None) -> str:
+    """A run's own suite: `toy` for a run on the toy world (its test split), `paper` for any
+    other run and for a model directory omgrpo did not export."""
+    task = (config or {}).get("task") or {}
+    return "toy" if task.get("name") == "toy" else "paper"
+
+
 def builtin_suite(name: str) -> Suite:
     if name == "paper":
         return Suite(

@@ -40,8 +40,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def base_model_dir(model_cfg: Any, task_cfg: Any, splits: TaskSplits) -> str:
-    """Directory or hub id of the base model (training the toy base on first use)."""
+def base_model_dir(model_cfg: Any, task_cfg: Any, splits: TaskSplits | None) -> str:
+    """Directory or hub id of the base model (training the toy base on first use; only the toy
+    base needs the task's `splits`, to keep its warm start off them)."""
     if model_cfg.path:
         path = str(model_cfg.path)
         local = Path(path).expanduser()
@@ -53,6 +54,8 @@ def base_model_dir(model_cfg: Any, task_cfg: Any, splits: TaskSplits) -> str:
         return str(local)
     if task_cfg.name != "toy":
         raise ValueError("the toy model only knows the toy task; set model.path for other tasks")
+    if splits is None:
+        raise ValueError("the toy base needs the toy task's splits (omgrpo.tasks.load_task)")
     from omgrpo.models.toy import ensure_toy_base
 
     seen = {p.question for split in (splits.train, splits.val, splits.test) for p in split}

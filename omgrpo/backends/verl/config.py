@@ -11,6 +11,7 @@ section is left alone. The section's schema is `OmgrpoVerlConfig`; a method pres
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field, fields
 
 from hydra.core.config_store import ConfigStore
@@ -42,9 +43,15 @@ REQUIRED_KEYS: dict[str, str] = {
 @dataclass
 class VerlRunSection:
     experiment: str = "paper"
-    """Experiment name (the verl preset); with `variant` it makes trainer.experiment_name."""
+    """Experiment name (the verl preset); with `variant` and the seed it makes
+    trainer.experiment_name (`<experiment>__<variant>__s<seed>`, as the native run name)."""
     variant: str = "om_grpo"
     """Method or ablation (set by the method preset)."""
+    resume: bool = False
+    """As the native `run.resume`: true continues the newest checkpoint in the run's checkpoint
+    folder (verl `trainer.resume_mode=auto`; or `resume_path` with `trainer.resume_from_path`);
+    false starts from scratch (`disable`), and the launch refuses a folder that already holds
+    a checkpoint (RESUME_MODES)."""
 
 
 VERL_ACTOR_KEYS: dict[str, str] = {
@@ -70,6 +77,10 @@ class OmgrpoVerlConfig:
 
     method: str = "om_grpo"
     """Name of the method preset merged into this section."""
+    seed: int = 0
+    """As the native `seed` (`seed=N` on the command line): part of trainer.experiment_name and
+    so of the checkpoint folder, verl's data shuffle seed (`data.seed`), its rollout sampling
+    seed and its mini-batch shuffle seed (presets: experiments/verl/paper.yaml)."""
     run: VerlRunSection = field(default_factory=VerlRunSection)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
@@ -79,6 +90,21 @@ class OmgrpoVerlConfig:
     car: CarConfig = field(default_factory=CarConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
 
+
+RESUME_MODES: dict[bool, tuple[str, ...]] = {
+    False: ("disable",),
+    True: ("auto", "resume_path"),
+}
+"""`omgrpo.run.resume` -> the verl `trainer.resume_mode`s that mean the same; the first is set
+unless trainer.resume_mode is given on the command line. verl's own default, `auto`, would
+make a fresh run silently continue whatever its checkpoint folder holds."""
+
+SEED_KEYS: tuple[str, ...] = (
+    "data.seed",
+    "actor_rollout_ref.rollout.seed",
+    "actor_rollout_ref.actor.data_loader_seed",
+)
+"""verl's seeds that follow `omgrpo.seed`: data shuffle, rollout sampling, mini-batch shuffle."""
 
 SCHEMA_NAME = "omgrpo_verl_schema"
 AGENT_LOOP_MANAGER = "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
@@ -102,13 +128,22 @@ def _require_verl() -> None:
 
 
 def _translate(overrides: list[str]) -> list[str]:
-    """`method=X` picks the method preset merged into the `omgrpo` section (Hydra spells that
-    default `method@omgrpo`)."""
+    """The native command line's spellings: `method=X` picks the method preset merged into the
+    `omgrpo` section (Hydra spells that default `method@omgrpo`); `seed=N` and `run.*=...` are
+    the section's `omgrpo.seed` and `omgrpo.run.*` (verl's config has neither key)."""
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        out.append(f"method@omgrpo={value}" if sep and key == "method" else item)
+        if sep and key == "method":
+            item = f"method@omgrpo={value}"
+        elif sep and (key == "seed" or key.startswith("run.")):
+            item = f"omgrpo.{item}"
+        out.append(item)
     return out
+
+
+def _given(overrides: list[str], key: str) -> bool:
+    return any(o.partition("=")[0].lstrip("+~") == key for o in overrides)
 
 
 def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictConfig:
@@ -128,6 +163,8 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
         cfg = compose(config_name=f"verl/{experiment}", overrides=_translate(list(overrides or [])))
     with open_dict(cfg):
         cfg.pop("hydra", None)
+        if not _given(list(overrides or []), "trainer.resume_mode"):
+            cfg.trainer.resume_mode = RESUME_MODES[bool(cfg.omgrpo.run.resume)][0]
     validate_section(cfg)
     return cfg
 
@@ -166,6 +203,7 @@ def validate_section(cfg: DictConfig) -> None:
     _check_group_size(cfg, om)
     _check_masking(cfg)
     _check_advantage(cfg, om)
+    _check_seed_and_resume(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
     if mode != "omgrpo":
         raise ValueError(f"trainer.v1.trainer_mode must be 'omgrpo' for OM-GRPO, got {mode!r}")
@@ -247,6 +285,28 @@ def _check_advantage(cfg: DictConfig, om: DictConfig) -> None:
             "algorithm.norm_adv_by_std_in_grpo=false with omgrpo.algorithm.format_only=true: "
             "the format-only advantage on answer tokens is std-normalised (as in the native "
             "trainer), so the two advantages would use different scales"
+        )
+
+
+def _check_seed_and_resume(cfg: DictConfig, om: DictConfig) -> None:
+    """Two seeds must not share a checkpoint folder, and a fresh run must not resume one."""
+    for key in SEED_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if value != om.seed:
+            raise ValueError(f"{key}={value} but omgrpo.seed={om.seed}: set seed=N (it sets both)")
+    folder = str(OmegaConf.select(cfg, "trainer.default_local_dir"))
+    if not re.search(rf"__s{om.seed}(?![0-9])", folder):
+        raise ValueError(
+            f"trainer.default_local_dir {folder!r} does not name the seed (__s{om.seed}): runs of "
+            "different seeds would share it and resume each other's checkpoints; keep "
+            "trainer.experiment_name's __s${omgrpo.seed} (experiments/verl/paper.yaml)"
+        )
+    mode = OmegaConf.select(cfg, "trainer.resume_mode")
+    allowed = RESUME_MODES[bool(om.run.resume)]
+    if mode not in allowed:
+        raise ValueError(
+            f"trainer.resume_mode={mode} with omgrpo.run.resume={om.run.resume}: use "
+            f"{' or '.join(allowed)} (or set run.resume={str(not om.run.resume).lower()})"
         )
 
 

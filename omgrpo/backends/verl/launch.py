@@ -9,6 +9,7 @@ TaskRunner, exactly as `python -m verl.trainer.main_ppo` would after composing.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -24,7 +25,8 @@ USAGE = """usage: omgrpo train backend=verl experiment=<preset> [overrides...] [
 
 presets (experiments/verl/): {presets}
 overrides: verl keys (data.train_files=..., trainer.n_gpus_per_node=4, ...), omgrpo.* keys
-  (omgrpo.algorithm.answer_weight=0.25, omgrpo.car.enable=false, ...) and method=<method preset>
+  (omgrpo.algorithm.answer_weight=0.25, omgrpo.car.enable=false, ...), method=<method preset>,
+  seed=N (run name, checkpoint folder, verl's seeds) and run.resume=true (trainer.resume_mode)
 --dry-run: print the composed config (resolved YAML) and exit without starting Ray
 """
 
@@ -58,6 +60,23 @@ def check_verl(cfg: DictConfig) -> None:
     )
 
 
+def check_checkpoint_folder(cfg: DictConfig) -> None:
+    """As the native trainer: a run that is not resumed (`run.resume=false`, verl's
+    `resume_mode=disable`) refuses a checkpoint folder that already holds a verl checkpoint,
+    rather than writing a second run's checkpoints among the first's."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    if cfg.trainer.resume_mode != "disable":
+        return
+    folder = Path(cfg.trainer.default_local_dir).expanduser().absolute()
+    latest = find_latest_ckpt_path(str(folder))
+    if latest is not None:
+        raise FileExistsError(
+            f"{folder} already holds a run (checkpoint {latest}); pass run.resume=true to "
+            "continue it, or another seed / omgrpo.run.variant / trainer.default_local_dir"
+        )
+
+
 def launch(cfg: DictConfig) -> None:
     """Start verl's V1 training run (Ray) with `cfg`."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -69,6 +88,7 @@ def launch(cfg: DictConfig) -> None:
 
     auto_set_device(cfg)
     check_verl(cfg)
+    check_checkpoint_folder(cfg)
     run_ppo(cfg, task_runner_class=TaskRunnerV1)
 
 
@@ -101,5 +121,9 @@ def main(args: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    launch(cfg)
+    try:
+        launch(cfg)
+    except FileExistsError as exc:  # a fresh run into a used checkpoint folder
+        print(f"omgrpo train backend=verl: {exc}", file=sys.stderr)
+        return 2
     return 0

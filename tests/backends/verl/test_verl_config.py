@@ -76,7 +76,7 @@ def test_preset_has_the_papers_hyperparameters(preset_cfg):
     om = cfg.omgrpo
     assert om.method == "om_grpo" and om.algorithm.answer_weight == 0.0 and om.car.enable
     assert list(om.reward.parts) == ["soft_vote", "format"]
-    assert cfg.trainer.experiment_name == f"{name}__om_grpo"
+    assert cfg.trainer.experiment_name == f"{name}__om_grpo__s0"
 
 
 def test_preset_passes_verls_own_checks(preset_cfg):
@@ -179,7 +179,7 @@ def test_dry_run_prints_the_composed_config_without_ray(capsys):
         "kl_loss_coef: 0.005",
         "train_batch_size: 128",
         "max_response_length: 3072",
-        "experiment_name: paper_llama3p2_3b__om_grpo",
+        "experiment_name: paper_llama3p2_3b__om_grpo__s0",
         "answer_weight: 0.0",
     ):
         assert line in out, line
@@ -209,6 +209,63 @@ def test_launch_runs_verls_run_ppo_with_the_composed_config(monkeypatch):
     assert runner is main_ppo.TaskRunnerV1
     assert cfg.trainer.v1.trainer_mode == "omgrpo" and cfg.omgrpo.method == "mv"
     assert cfg.actor_rollout_ref.model.path == "/models/m"
+
+
+def test_two_seeds_get_two_checkpoint_folders_and_their_own_shuffle_seeds():
+    runs = {
+        seed: compose_verl("paper_qwen3_1p7b", [*LAUNCH, *args])
+        for seed, args in ((0, []), (1, ["seed=1"]), (7, ["omgrpo.seed=7"]))
+    }
+    folders = {seed: cfg.trainer.default_local_dir for seed, cfg in runs.items()}
+    assert folders[0] == "checkpoints/omgrpo/paper_qwen3_1p7b__om_grpo__s0"
+    assert folders[1] == "checkpoints/omgrpo/paper_qwen3_1p7b__om_grpo__s1"
+    assert len(set(folders.values())) == 3
+    for seed, cfg in runs.items():
+        assert cfg.omgrpo.seed == seed and cfg.trainer.experiment_name.endswith(f"__s{seed}")
+        assert cfg.data.seed == seed  # verl's shuffle (create_rl_sampler's generator seed)
+        assert cfg.actor_rollout_ref.rollout.seed == seed
+        assert cfg.actor_rollout_ref.actor.data_loader_seed == seed
+        check_verl(cfg)
+    # a run name without the seed would let seeds share a folder again
+    with pytest.raises(ValueError, match=r"does not name the seed \(__s1\)"):
+        compose_verl("paper_qwen3_1p7b", [*LAUNCH, "seed=1", "trainer.experiment_name=mine"])
+    with pytest.raises(ValueError, match=r"data\.seed=3 but omgrpo\.seed=0"):
+        compose_verl("paper_qwen3_1p7b", [*LAUNCH, "data.seed=3"])
+
+
+def test_run_resume_sets_verls_resume_mode():
+    def mode(*args):
+        return compose_verl("paper_qwen3_1p7b", [*LAUNCH, *args]).trainer.resume_mode
+
+    assert mode() == "disable"  # verl's own default, auto, would continue any run there
+    assert mode("run.resume=true") == "auto"
+    assert mode("omgrpo.run.resume=true") == "auto"
+    path = "trainer.resume_from_path=checkpoints/x/global_step_5"
+    assert mode("run.resume=true", "trainer.resume_mode=resume_path", path) == "resume_path"
+    with pytest.raises(ValueError, match=r"trainer\.resume_mode=auto with omgrpo\.run\.resume"):
+        mode("trainer.resume_mode=auto")
+    with pytest.raises(ValueError, match=r"trainer\.resume_mode=disable with omgrpo\.run\.resume"):
+        mode("run.resume=true", "trainer.resume_mode=disable")
+
+
+def test_a_fresh_launch_refuses_a_used_checkpoint_folder(tmp_path, monkeypatch, capsys):
+    import verl.trainer.main_ppo as main_ppo
+
+    calls = []
+    monkeypatch.setattr(main_ppo, "run_ppo", lambda cfg, task_runner_class: calls.append(cfg))
+    folder = tmp_path / "ckpt"
+    args = ["train", "backend=verl", "experiment=paper_qwen3_1p7b", *LAUNCH]
+    # seed 0's folder holds a verl checkpoint (the folder keeps the run name, as the check asks)
+    args.append(f"trainer.default_local_dir={folder}/${{trainer.experiment_name}}")
+    used = folder / "paper_qwen3_1p7b__om_grpo__s0"
+    (used / "global_step_5").mkdir(parents=True)
+    (used / "latest_checkpointed_iteration.txt").write_text("5")
+    assert cli.main(args) == 2 and calls == []
+    err = capsys.readouterr().err
+    assert f"{used} already holds a run" in err and "run.resume=true" in err
+    assert cli.main([*args, "seed=1"]) == 0  # seed 1: its own, empty folder
+    assert cli.main([*args, "run.resume=true"]) == 0  # continues seed 0's checkpoint
+    assert [c.trainer.resume_mode for c in calls] == ["disable", "auto"]
 
 
 def test_trainer_stays_in_sync_mode_and_installs_the_loss():

@@ -1,0 +1,109 @@
+"""A native checkpoint as a Hugging Face model directory that vLLM, `transformers` and lm-eval
+read: `save_pretrained` (safetensors) + the base's tokenizer (chat template included) + the
+generation config, and `omgrpo_export.json` saying which run, step and config it came from.
+
+The weights are written in the dtype they were trained in (bf16 on a GPU, fp32 on the CPU),
+so the directory's model computes what the trainer's policy computed at that step.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from omgrpo.backends.native.checkpoint import STATE_FILE, resume_relevant, verify_checkpoint
+from omgrpo.models.loading import base_model_dir, load_model
+from omgrpo.tracking import flatten
+
+EXPORT_META = "omgrpo_export.json"
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """sha256 of the settings that change training (the keys a resume compares), so two
+    exports of runs trained alike share it whatever their names, roots or trackers."""
+    relevant = {k: v for k, v in flatten(config).items() if resume_relevant(k)}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def run_base_dir(config: dict[str, Any]) -> str:
+    """The run's base model directory (or hub id); the toy task is loaded only for a toy base,
+    so exporting a run on files does not need its data files on this machine."""
+    cfg = OmegaConf.create(config)
+    if cfg.model.path:
+        return base_model_dir(cfg.model, cfg.task, None)
+    from omgrpo.tasks import load_task
+
+    return base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
+
+
+def check_export_target(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    out: str | Path,
+    *,
+    run_dir: str | Path | None = None,
+    label: str = "",
+    why: str = "",
+) -> Path:
+    """Write the checkpoint in `checkpoint_dir` as a HF model directory `out` (which must not
+    exist or be empty); raises ValueError naming a file that fails the manifest check. The
+    torch copy made here lives on the CPU and is gone when this returns."""
+    checkpoint_dir, out = Path(checkpoint_dir), Path(out)
+    check_export_target(out)
+    verify_checkpoint(checkpoint_dir)
+    # mmap: the optimizer state in the same file is never read into memory
+    state = torch.load(
+        checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=False, mmap=True
+    )
+    config, step, weights = state["config"], int(state["step"]), state["model"]
+    base = run_base_dir(config)
+    dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
+    # written aside and renamed into place: a killed export leaves no half directory at `out`
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    model = load_model(base, torch.device("cpu"), dtype)
+    model.load_state_dict(weights)
+    model.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    del model, weights, state
+    gc.collect()  # the caller may build vLLM next: no torch copy of the weights is left
+    AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    meta = {
+        "format": 1,
+        "run": Path(run_dir).name if run_dir else None,
+        "run_dir": str(Path(run_dir).resolve()) if run_dir else None,
+        "checkpoint": label or f"step_{step}",
+        "checkpoint_dir": str(checkpoint_dir.resolve()),
+        "why": why,
+        "step": step,
+        "config_sha256": config_hash(config),
+        "base_model": base,
+        "dtype": str(dtype).removeprefix("torch."),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": config,  # the run's resolved config: `omgrpo eval` reads its task from here
+    }
+    (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    if out.exists():
+        out.rmdir()  # empty (checked above)
+    tmp.rename(out)
+    return out
+
+
+def read_export_meta(model_dir: str | Path) -> dict[str, Any] | None:
+    """The omgrpo metadata of an exported directory, or None for any other model directory."""
+    path = Path(model_dir) / EXPORT_META
+    return json.loads(path.read_text()) if path.is_file() else None

@@ -1,0 +1,164 @@
+"""`omgrpo eval` on exported directories, a run's own suite by default, and the vLLM path's
+loading order (against a stand-in `vllm` module: vLLM itself needs a GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from toy_runs import train_tiny_run  # tests/ is on sys.path (pytest's rootdir conftest)
+
+from omgrpo.cli import main
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory, base_cache):
+    return train_tiny_run(tmp_path_factory.mktemp("eval-export-runs"), base_cache)
+
+
+@pytest.fixture(scope="module")
+def exported(toy_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports") / "step3"
+    assert main(["export", str(toy_run), str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_a_toy_run_is_evaluated_on_the_toy_suite_and_its_export_samples_the_same(
+    toy_run, exported, tmp_path
+):
+    # no --suite: the run's own (today's default would have asked for AIME files)
+    assert main(["eval", str(toy_run), "--no-track", "--threads", "1"]) == 0
+    summary = json.loads((toy_run / "eval" / "toy" / "summary.json").read_text())
+    assert summary["suite"] == "toy" and list(summary["benchmarks"]) == ["toy_test"]
+
+    out = tmp_path / "eval-export"
+    assert main(["eval", str(exported), "--out", str(out), "--threads", "1"]) == 0
+    from_export = json.loads((out / "summary.json").read_text())
+    assert from_export["suite"] == "toy"  # the export's metadata names the run's task
+    assert from_export["checkpoint"]["name"] == "model"
+    assert from_export["run"]["exported_from"]["step"] == 3
+    # the same weights, tokenizer, test problems and sampling seed: the same samples
+    ours = pd.read_parquet(toy_run / "eval" / "toy" / "toy_test.parquet")
+    theirs = pd.read_parquet(out / "toy_test.parquet")
+    assert len(ours) == 8 * 8
+    pd.testing.assert_frame_equal(ours, theirs)
+
+
+class _Loads:
+    """Every `AutoModelForCausalLM.from_pretrained` (the native loader `load_model` and the
+    exporter go through it), with a weak reference to the model it returned."""
+
+    def __init__(self, monkeypatch, events: list):
+        from transformers import AutoModelForCausalLM
+
+        self.refs: list[weakref.ref] = []
+        real = AutoModelForCausalLM.from_pretrained
+
+        def recording(*args, **kwargs):
+            model = real(*args, **kwargs)
+            events.append(("load", str(args[0])))
+            self.refs.append(weakref.ref(model))
+            return model
+
+        monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+
+    def alive(self) -> int:
+        return sum(r() is not None for r in self.refs)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A `vllm` module whose LLM records, when it is built, its kwargs, the directory's files
+    and how many torch models loaded in this process are still alive."""
+    events: list = []
+    loads = _Loads(monkeypatch, events)
+
+    class LLM:
+        def __init__(self, model, dtype, **kwargs):
+            files = sorted(p.name for p in Path(model).iterdir()) if Path(model).is_dir() else []
+            meta = Path(model) / "omgrpo_export.json"
+            events.append(
+                (
+                    "LLM",
+                    {
+                        "model": model,
+                        "kwargs": kwargs,
+                        "files": files,
+                        "alive": loads.alive(),
+                        "meta": json.loads(meta.read_text()) if meta.exists() else None,
+                    },
+                )
+            )
+
+        def generate(self, prompts, params, use_tqdm):
+            out = types.SimpleNamespace
+            texts = [out(text="so \\boxed{3}") for _ in range(params.n)]
+            return [out(outputs=texts) for _ in prompts]
+
+    fake = types.ModuleType("vllm")
+    fake.LLM, fake.SamplingParams = LLM, lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    return events
+
+
+@pytest.mark.slow
+def test_vllm_is_built_from_an_exported_directory_without_loading_it_first(
+    exported, fake_vllm, tmp_path
+):
+    args = ["eval", str(exported), "--backend", "vllm", "--out", str(tmp_path / "e")]
+    flags = ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"]
+    assert main([*args, *flags]) == 0
+    # vLLM came first and nothing loaded a torch copy of the weights at all
+    assert [kind for kind, _ in fake_vllm] == ["LLM"]
+    built = fake_vllm[0][1]
+    assert built["model"] == str(exported)
+    assert built["kwargs"] == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5}
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    assert summary["benchmarks"]["toy_test"]["backend"] == "vllm"
+
+
+@pytest.mark.slow
+def test_vllm_on_a_run_checkpoint_exports_it_and_frees_the_torch_copy_first(
+    toy_run, fake_vllm, tmp_path
+):
+    out = tmp_path / "e"
+    args = ["eval", str(toy_run), "--backend", "vllm", "--checkpoint", "step_2", "--out", str(out)]
+    assert main([*args, "--no-track"]) == 0
+    kinds = [kind for kind, _ in fake_vllm]
+    assert kinds[-1] == "LLM" and kinds.count("LLM") == 1
+    built = fake_vllm[-1][1]
+    assert built["alive"] == 0  # the exporter's CPU copy was gone when vLLM was built
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(built["files"])
+    assert built["meta"]["step"] == 2 and built["kwargs"] == {}  # vLLM's own defaults
+    assert not Path(built["model"]).exists()  # the temporary export is removed afterwards
+    assert sorted(p.name for p in out.iterdir()) == [
+        "summary.json",
+        "toy_test.json",
+        "toy_test.parquet",
+    ]
+
+    # the base needs no export and no load either
+    fake_vllm.clear()
+    base_args = ["eval", str(toy_run), "--backend", "vllm", "--checkpoint", "base"]
+    assert main([*base_args, "--out", str(tmp_path / "b"), "--no-track"]) == 0
+    assert [kind for kind, _ in fake_vllm] == ["LLM"]
+
+
+def test_vllm_flags_need_the_vllm_backend(tmp_path, capsys):
+    args = ["eval", str(tmp_path), "--tensor-parallel-size", "2", "--out", str(tmp_path / "x")]
+    assert main(args) == 2
+    assert "need --backend vllm" in capsys.readouterr().err
+
+
+def test_a_runs_own_suite():
+    from omgrpo.eval.suite import default_suite_name
+
+    assert default_suite_name({"task": {"name": "toy"}}) == "toy"
+    assert default_suite_name({"task": {"name": "files", "test_path": "x.jsonl"}}) == "paper"
+    assert default_suite_name(None) == "paper"  # a model directory omgrpo did not export

@@ -1,0 +1,29 @@
+"""A 3-step tiny toy run, trained once per test module that asks (tests/ is on sys.path
+through the rootdir conftest)."""
+
+from pathlib import Path
+
+import torch
+from conftest import TINY
+
+
+def train_tiny_run(root: Path, base_cache: str) -> Path:
+    """3 steps with checkpoints at steps 2 and 3, on one torch thread (far faster for the tiny
+    model on a shared 2-core machine; torch's thread count is restored afterwards)."""
+    from omgrpo.backends.native.trainer import train
+    from omgrpo.config import compose
+
+    threads = torch.get_num_threads()
+    overrides = [
+        *TINY,
+        f"model.cache_dir={base_cache}",
+        f"run.root={root}",
+        "trainer.steps=3",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.threads=1",
+    ]
+    try:
+        return train(compose(overrides))
+    finally:
+        torch.set_num_threads(threads)
