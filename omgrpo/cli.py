@@ -132,7 +132,7 @@ def _plan(args: list[str]) -> int:
     parser.add_argument("--device-gb", type=float, help="device memory in GiB (default: the GPU's)")
     parser.add_argument("--json", action="store_true", help="the plan as JSON")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
-    ns = parser.parse_args(args)
+    ns = parser.parse_intermixed_args(args)  # overrides before or after the flags
     cfg = compose(ns.overrides)
     if not cfg.model.path:
         print(
