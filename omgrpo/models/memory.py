@@ -344,15 +344,21 @@ class MemoryPlan:
         """What does not fit and the knobs that would make it fit; None when all fit."""
         if self.fits:
             return None
+        failing = [st for st in self.stages if not st.fits]
+        if any(st.name == "optimizer_step" for st in failing):
+            # the resident state alone does not fit: no other stage's knob helps before this
+            failing = [st for st in failing if st.name == "optimizer_step"] + [
+                dataclasses.replace(st, knobs=[]) for st in failing if st.name != "optimizer_step"
+            ]
         parts = [
             f"{st.name} needs {gib(st.peak)} GiB"
             + (f" (try {', '.join(st.knobs)})" if st.knobs else "")
-            for st in self.stages
-            if not st.fits
+            for st in failing
         ]
         head = f"does not fit on {gib(self.device_bytes)} GiB (a stage may use {gib(self.usable_bytes)})"
         text = f"{head}: {'; '.join(parts)}"
-        if any(st.name == "generation" and not st.fits for st in self.stages):
+        names = {st.name for st in failing}
+        if "generation" in names and "optimizer_step" not in names:
             text += (
                 f". Generation would need chunks of at most {self.generation_chunk_rows} rows, "
                 "and rollout chunking is not implemented yet (issue 25): shrink the step instead"
@@ -498,6 +504,7 @@ def stage_knobs(shape: ModelShape, s: Sizes, stage: str, usable: int) -> list[st
         ):
             knobs.append("model.gradient_checkpointing=true")
         return knobs + tokens
+    # optimizer step: weights, reference, gradients and AdamW state are what it holds
     knobs = ["algorithm.kl_coef=0 (no reference model)"] if s.ref else []
     if s.dtype_bytes > 2:
         knobs.append("model.dtype=bf16")
