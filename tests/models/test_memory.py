@@ -219,3 +219,19 @@ def test_lean_scorer_with_gradient_checkpointing_in_train_mode():
     ones = torch.ones(2, 4, dtype=torch.long)
     seqs = Sequences(torch.randint(1, 64, (2, 4)), ones, torch.randint(1, 64, (2, 4)), ones)
     response_logits(model, seqs).sum().backward()
+
+
+def test_resident_state_that_does_not_fit_is_named_first(capsys):
+    """Qwen2.5-7B with a reference model: weights, reference, gradients and AdamW state alone
+    pass 72 GiB, so the refusal leads with the optimizer step and the reference knob."""
+    code, plan = _plan_cli(
+        capsys,
+        "experiment=paper",
+        f"model.path={PRESETS['paper_qwen2p5_7b']}",
+        *SMALL,
+        "--device-gb",
+        "80",
+    )
+    assert code == 1
+    assert plan["refusal"].split(": ", 1)[1].startswith("optimizer_step needs")
+    assert "algorithm.kl_coef=0" in plan["refusal"] and "chunks of at most" not in plan["refusal"]
