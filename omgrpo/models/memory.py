@@ -595,9 +595,10 @@ def check_memory_plan(cfg: Any, model_dir: str, device: torch.device) -> MemoryP
             f"omgrpo plan: this config {plan.refusal()} (`omgrpo plan` shows the table)"
         )
     top = max(plan.stages, key=lambda st: st.peak)
+    memory = "GPU memory" if device.type == "cuda" else "RAM"
     print(
         f"memory plan ({device.type}, {plan.sizes.dtype}): peak {gib(top.peak)} GiB in "
-        f"{top.name}, {gib(plan.device_bytes)} GiB on the device"
+        f"{top.name}, {gib(plan.device_bytes)} GiB of {memory}"
         + ("" if plan.fits else f"; {plan.refusal()}")
     )
     return plan
