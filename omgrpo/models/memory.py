@@ -33,7 +33,8 @@ planned at its longest: a batch is padded to its longest row).
   layer b·(2h + 4·H·D + 3·Hkv·D + 4I) + 8h (norm inputs in fp32, q/k/v, rotary q/k,
   attention output, the gated MLP's four I-wide tensors; + 4·(H·D + Hkv·D) for Qwen3's q/k
   norms), + the prompt K/V copied per row for attention, + the final norm and lm_head input;
-  with gradient checkpointing: each layer's input b·h per token plus one layer recomputed.
+  with gradient checkpointing: each layer's input b·h per token plus one layer recomputed
+  (never for Llama / Qwen2 / Qwen3 today: `LEAN_SCORER_CHECKPOINTS`).
   Logits: 16 bytes per m·T·V element (model-dtype logits and their gradient, fp32 log-softmax,
   its gradient and the fp32 cast). Assumes a fused attention kernel (no T × T scores).
 - **optimizer step**: foreach AdamW's P·b denominator.
