@@ -1,4 +1,5 @@
-"""`omgrpo` command line: train, sync, sweep, bench, eval, export, data, tables, figures, report.
+"""`omgrpo` command line: train, plan, sync, sweep, bench, eval, export, data, tables, figures,
+report.
 
 `omgrpo train [key=value ...] [--multirun]` is a Hydra app over `experiments/config.yaml`;
 everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` and
@@ -21,6 +22,11 @@ commands:
                            omgrpo train backend=verl experiment=paper_qwen3_1p7b --dry-run
                              (verl backend, docs/verl.md; --dry-run prints verl's composed
                              config without starting Ray)
+  plan [overrides...] [--device-gb N] [--json]
+                         expected peak memory of each stage of `omgrpo train` for the config
+                         and model.path's config.json (no weights), and whether it fits a
+                         device of N GiB (default: the visible GPU's); exit 1 when it does not,
+                         naming the stage and the knobs that would make it fit
   base [--ship [--note TEXT]] [overrides...]
                          the toy base of a config (e.g. experiment=toy_shortcut): installed from
                          omgrpo/bases/ or trained, with its acceptance checks; --ship copies it
@@ -69,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         return _train(rest)
+    if command == "plan":
+        return _plan(rest)
     if command == "base":
         return _base(rest)
     if command == "sync":
@@ -114,6 +122,49 @@ def available_backends() -> list[str]:
 
     found = {p.parent.name for p in (Path(__file__).parent / "backends").glob("*/launch.py")}
     return sorted(found, key=lambda name: (name != "native", name))
+
+
+def _plan(args: list[str]) -> int:
+    """`omgrpo plan`: 0 fits, 1 does not fit, 2 cannot plan (no model.path, no device size)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from omgrpo.config import compose
+    from omgrpo.models.memory import GIB, format_plan, plan_memory
+
+    parser = argparse.ArgumentParser(prog="omgrpo plan", description="Memory plan of a config.")
+    parser.add_argument("--device-gb", type=float, help="device memory in GiB (default: the GPU's)")
+    parser.add_argument("--json", action="store_true", help="the plan as JSON")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
+    ns = parser.parse_intermixed_args(args)  # overrides before or after the flags
+    cfg = compose(ns.overrides)
+    if not cfg.model.path:
+        print(
+            "omgrpo plan: set model.path to a directory with the model's config.json (no "
+            "weights needed); the toy model (model.path null) is a few MB and is not planned",
+            file=sys.stderr,
+        )
+        return 2
+    if Path(cfg.model.path).is_dir() and not (Path(cfg.model.path) / "config.json").exists():
+        print(f"omgrpo plan: no config.json in {cfg.model.path}", file=sys.stderr)
+        return 2
+    if ns.device_gb is not None:
+        device_bytes = int(ns.device_gb * GIB)
+    elif torch.cuda.is_available():
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    else:
+        print(
+            "omgrpo plan: no GPU visible; give the device memory with --device-gb N",
+            file=sys.stderr,
+        )
+        return 2
+    device_type = "cpu" if cfg.model.device == "cpu" else "cuda"
+    plan = plan_memory(cfg, cfg.model.path, device_bytes, device_type)
+    print(json.dumps(plan.to_json(), indent=2) if ns.json else format_plan(plan))
+    return 0 if plan.fits else 1
 
 
 def _base(args: list[str]) -> int:

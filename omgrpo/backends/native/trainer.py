@@ -77,6 +77,7 @@ from omgrpo.models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from omgrpo.models.memory import check_memory_plan
 from omgrpo.tasks import (
     TASKS,
     Problem,
@@ -352,6 +353,8 @@ def setup(cfg: DictConfig) -> Run:
     base = base_model_dir(cfg.model, cfg.task, splits)
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
+    if cfg.model.path:  # before any weights load (the toy model is a few MB: not planned)
+        check_memory_plan(cfg, base, device)
     tokenizer = load_tokenizer(base)
     policy = load_model(base, device, dtype)
     if cfg.model.gradient_checkpointing:
