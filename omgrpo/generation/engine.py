@@ -19,6 +19,9 @@ Score (`shared_prompt_logits`): the logits of given responses (reference pass, u
 Llama-family models: each distinct prompt is prefilled once, then all responses run on the
 model's own modules (`lean_forward`, the blocks `_LeanKV` decodes with), each row attending to its
 prompt's keys/values and its own tokens in one fused SDPA call. Gradients flow to the prompts.
+Not under HF gradient checkpointing in train mode, which drops the prompt's cache and never
+wraps these direct module calls: the update then runs the plain HF forward
+(`omgrpo.generation.rollout.hf_checkpointing`).
 
 Layout: a prefill is left-padded per tree level, so the cache holds padding that an attention
 mask (1 = real token) hides; position ids count real tokens only, so padding never changes a

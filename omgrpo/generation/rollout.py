@@ -29,6 +29,7 @@ from omgrpo.generation.engine import (
 # left_pad, right_pad and stop_token_ids live in omgrpo.generation.engine; importable from here too.
 __all__ = [
     "Sequences",
+    "hf_checkpointing",
     "left_pad",
     "response_logits",
     "response_logprobs",
@@ -155,11 +156,12 @@ def response_logits(
     responses then read their prompt's keys/values without copying them per row
     (`omgrpo.generation.engine.shared_prompt_logits`), for others the prompt caches are copied per row
     (`omgrpo.generation.engine.prefix_tree_forward`). Both equal the plain forward up to float round-off
-    (tested).
+    (tested). Under HF gradient checkpointing in train mode (`hf_checkpointing`) this is the
+    plain forward, whatever `share_prefix` says.
     """
     device = next(model.parameters()).device
     t = seqs.response_ids.shape[1]
-    if share_prefix:
+    if share_prefix and not hf_checkpointing(model):
         prompts = [row[m.bool()].tolist() for row, m in zip(seqs.prompt_ids, seqs.prompt_mask)]
         if lean_decoding_supported(model):
             seqs = seqs.to(device)
@@ -182,6 +184,18 @@ def response_logits(
         input_ids=ids, attention_mask=mask, position_ids=_positions(mask), logits_to_keep=t + 1
     ).logits
     return logits[:, :-1, :]
+
+
+def hf_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether HF's layers checkpoint a forward of `model` (train mode, checkpointing on).
+
+    They then drop any KV cache, and the lean scorer calls the blocks' modules itself, so
+    neither prompt-sharing path can build on the prompt's cache. `response_logits` then runs
+    the plain forward: HF's own checkpointing, exactly the reference gradient, and the prompt
+    recomputed per row instead of per group is a small share at checkpointing's lengths (the
+    paper's 512 prompt vs 3072 response tokens). The lean path's speed matters for the toy CPU
+    runs, which never checkpoint."""
+    return model.training and bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def response_logprobs(

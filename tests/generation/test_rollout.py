@@ -1,10 +1,11 @@
 """The sampler and `response_logprobs` against plain references: HF greedy generate, and
 log-probs of unpadded rows."""
 
+import pytest
 import torch
 from omegaconf import OmegaConf
 
-from omgrpo.generation.rollout import response_logprobs, sample
+from omgrpo.generation.rollout import hf_checkpointing, response_logprobs, sample
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.models.toy import build_toy_model
 
@@ -128,3 +129,68 @@ def test_any_of_several_stop_tokens_ends_a_response():
     out = sample(model, prompts, eos_id=[tok.eos_token_id, stop], **kwargs)
     assert int(out.response_mask[0].sum()) == cut + 1  # the stop token itself is kept
     assert out.response_ids[0, : cut + 1].tolist() == free[: cut + 1]
+
+
+def _tiny_hf(kind: str):
+    """A tiny random Llama or Qwen3 (fp32) in train mode (dropout is 0: deterministic)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**shape)).train()
+
+
+def _ragged_batch():
+    """Rows of 2 prompts (a shared prefix, different lengths) with responses of 1 to 5 tokens."""
+    from omgrpo.generation.engine import left_pad, right_pad
+    from omgrpo.generation.rollout import Sequences
+
+    prompts = [[3, 4, 5, 6, 7], [3, 4, 9]] * 2
+    responses = [[10, 11, 12], [13], [14, 15, 16, 17, 18], [19, 20]]
+    return Sequences(*left_pad(prompts, 0), *right_pad(responses, 0))
+
+
+def _update_grads(model, seqs):
+    """The update's loss shape through `response_logits` as `ppo_update` calls it: the
+    gradients of the token log-probs (weighted per row) and the call count of layer 0's MLP."""
+    from omgrpo.core.losses import token_logprobs_and_entropy
+    from omgrpo.generation.rollout import response_logits
+
+    calls = []
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    model.zero_grad(set_to_none=True)
+    logits = response_logits(model, seqs)
+    logprobs, _ = token_logprobs_and_entropy(logits.float(), seqs.response_ids)
+    weights = torch.tensor([1.0, -0.5, 2.0, 0.25])[:, None]
+    (logprobs * weights * seqs.response_mask).sum().backward()
+    hook.remove()
+    return [p.grad.clone() for p in model.parameters()], logprobs.detach(), len(calls)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_gradient_checkpointing_gives_the_update_the_same_gradients(kind):
+    model, seqs = _tiny_hf(kind), _ragged_batch()
+    plain_grads, plain_logprobs, _ = _update_grads(model, seqs)
+    model.gradient_checkpointing_enable()
+    assert hf_checkpointing(model)
+    grads, logprobs, calls = _update_grads(model, seqs)
+    assert calls == 2  # one forward of the batch, and layer 0 recomputed in backward
+    mask = seqs.response_mask.bool()
+    torch.testing.assert_close(logprobs[mask], plain_logprobs[mask], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # the no-grad pass (old log-probs) in train mode with checkpointing on: same values
+    old = response_logprobs(model, seqs, micro_batch_size=3)["logprobs"]
+    torch.testing.assert_close(old[mask], plain_logprobs[mask], atol=1e-5, rtol=1e-5)
