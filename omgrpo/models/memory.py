@@ -34,7 +34,8 @@ planned at its longest: a batch is padded to its longest row).
   attention output, the gated MLP's four I-wide tensors; + 4·(H·D + Hkv·D) for Qwen3's q/k
   norms), + the prompt K/V copied per row for attention, + the final norm and lm_head input;
   with gradient checkpointing: each layer's input b·h per token plus one layer recomputed
-  (never for Llama / Qwen2 / Qwen3 today: `LEAN_SCORER_CHECKPOINTS`).
+  (for Llama / Qwen2 / Qwen3 too: the update then runs HF's checkpointed forward, each row's
+  prompt with it, instead of the lean scorer: `LEAN_SCORER_CHECKPOINTS`).
   Logits: 16 bytes per m·T·V element (model-dtype logits and their gradient, fp32 log-softmax,
   its gradient and the fp32 cast). Assumes a fused attention kernel (no T × T scores).
 - **optimizer step**: foreach AdamW's P·b denominator.
@@ -60,10 +61,12 @@ GIB = 2**30
 HEADROOM = 0.9  # share of device memory a stage may plan to use
 KEEP_COPY = 7 / 16  # decode's row drop: K (or V) re-indexed to <= 7/8 while the old is alive
 CAR_TEMPLATE_TOKENS = 64  # CAR's pair prompt around the question and the two solutions
-# The lean scorer (generation/engine.lean_forward, every update of a Llama / Qwen2 / Qwen3
-# model) calls each block's modules directly, so HF's gradient checkpointing never applies to
-# it; flip this once it does.
-LEAN_SCORER_CHECKPOINTS = False
+# Whether model.gradient_checkpointing=true checkpoints the update of a Llama / Qwen2 / Qwen3
+# model. The lean scorer (generation/engine.lean_forward) cannot: it calls each block's modules
+# directly, on a prompt cache HF's checkpointed layers drop in train mode. So under
+# checkpointing the update runs HF's checkpointed forward instead (rollout.hf_checkpointing),
+# with every row's whole prompt + response: what `activation_bytes` counts when checkpointed.
+LEAN_SCORER_CHECKPOINTS = True
 KNOBS = (
     "rollout.n",
     "trainer.prompts_per_step",
@@ -284,7 +287,7 @@ def activation_bytes(shape: ModelShape, s: Sizes, micro: int, checkpointing: boo
 
 
 def update_checkpoints(shape: ModelShape, s: Sizes) -> bool:
-    """Whether the update really checkpoints (the lean scorer ignores HF's checkpointing)."""
+    """Whether the update really checkpoints (`LEAN_SCORER_CHECKPOINTS`)."""
     return s.checkpointing and (LEAN_SCORER_CHECKPOINTS or not shape.lean)
 
 
@@ -500,7 +503,7 @@ def stage_knobs(shape: ModelShape, s: Sizes, stage: str, usable: int) -> list[st
         if (
             stage == "update"
             and not s.checkpointing
-            and not shape.lean
+            and update_checkpoints(shape, checkpointed)
             and _fits(shape, checkpointed, stage, usable)
         ):
             knobs.append("model.gradient_checkpointing=true")
@@ -519,14 +522,6 @@ def _notes(shape: ModelShape, s: Sizes) -> list[str]:
         "planned, not measured: no GPU has run these figures and `omgrpo bench memory` is "
         "not written yet (issue 25)",
     ]
-    if s.checkpointing and shape.lean and not LEAN_SCORER_CHECKPOINTS:
-        notes.append(
-            f"model.gradient_checkpointing=true does not apply to the update of a "
-            f"{shape.model_type} model: the lean scorer (generation/engine.lean_forward) calls "
-            "the blocks' modules directly, so the update is planned without it; in train mode "
-            "HF's checkpointed layers also drop the prompt cache that scorer reads (IndexError "
-            "at the first update, seen on CPU with a tiny Qwen3)"
-        )
     return notes
 
 
