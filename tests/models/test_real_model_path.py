@@ -59,6 +59,7 @@ def test_trains_with_gradient_checkpointing(tmp_path, tiny_overrides):
             f"model.path={model_dir}",
             "model.gradient_checkpointing=true",
             "method=self_certainty",  # rewards that vary for an untrained model: a gradient
+            "trainer.grad_probe_every=1",  # the probe's two backward passes, checkpointed too
             "task.name=files",
             f"task.train_path={data}",
             f"task.val_path={data}",
@@ -71,6 +72,7 @@ def test_trains_with_gradient_checkpointing(tmp_path, tiny_overrides):
     updates = df[df["train/step"] > 0]
     assert (updates["train/skipped_steps"] == 0).all()
     assert (updates["grad/norm"] > 0).all() and updates["grad/norm"].notna().all()
+    assert (updates["grad/reasoning_norm"] > 0).all()
 
 
 def test_missing_model_path_is_a_clear_error(tiny_overrides, tmp_path):
