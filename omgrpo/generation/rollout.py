@@ -191,10 +191,10 @@ def hf_checkpointing(model: torch.nn.Module) -> bool:
 
     They then drop any KV cache, and the lean scorer calls the blocks' modules itself, so
     neither prompt-sharing path can build on the prompt's cache. `response_logits` then runs
-    the plain forward: HF's own checkpointing, exactly the reference gradient, and the prompt
-    recomputed per row instead of per group is a small share at checkpointing's lengths (the
-    paper's 512 prompt vs 3072 response tokens). The lean path's speed matters for the toy CPU
-    runs, which never checkpoint."""
+    the plain forward: HF's own checkpointing, exactly the reference gradient, simple; it
+    recomputes each prompt per row instead of once per group, at most 512 of a row's 3584
+    tokens at the paper's lengths, where checkpointing is needed. The lean path's speed
+    matters for the toy CPU runs, which never checkpoint."""
     return model.training and bool(getattr(model, "is_gradient_checkpointing", False))
 
 
