@@ -469,28 +469,13 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
 
 
 # -- statistics --------------------------------------------------------------------------------
-# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (used without scipy).
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
 def t_critical(dof: int, confidence: float = 0.95) -> float:
-    """Two-sided Student-t critical value (scipy if installed; else a table for 95%)."""
+    """Two-sided Student-t critical value t_{(1+confidence)/2, dof}; NaN without a dof."""
+    from scipy import stats
+
     if dof < 1:
         return math.nan
-    try:
-        from scipy import stats
-
-        return float(stats.t.ppf(0.5 + confidence / 2, dof))
-    except ImportError:
-        if confidence != 0.95:
-            raise ValueError("without scipy only 95% intervals are available") from None
-        if dof <= len(_T975):
-            return _T975[dof - 1]
-        return 1.960 + 2.4 / dof  # within 0.003 of the exact value for df > 30
+    return float(stats.t.ppf(0.5 + confidence / 2, dof))
 
 
 def aggregate_seeds(

@@ -450,11 +450,12 @@ def test_aggregate_seeds_ci_by_hand():
         aggregate_seeds(df, "nope")
 
 
-def test_t_table_without_scipy(monkeypatch):
-    with_scipy = t_critical(2)
-    monkeypatch.setitem(sys.modules, "scipy", None)  # `from scipy import stats` fails
-    assert t_critical(2) == pytest.approx(with_scipy, abs=1e-3)
-    assert t_critical(60) == pytest.approx(2.000, abs=3e-3)
+def test_t_critical_is_scipys_student_t():
+    # reference values of t_{0.975, df} from printed tables
+    assert t_critical(2) == pytest.approx(4.303, abs=1e-3)
+    assert t_critical(30) == pytest.approx(2.042, abs=1e-3)
+    assert t_critical(60) == pytest.approx(2.000, abs=1e-3)
+    assert t_critical(4, confidence=0.9) == pytest.approx(2.132, abs=1e-3)
     assert math.isnan(t_critical(0))
 
 
