@@ -351,12 +351,17 @@ def _tracking_uri(uri: str):
 
     # Restore exactly what was there: an unset URI must stay unset (so $MLFLOW_TRACKING_URI
     # keeps working for the caller), not be pinned to the default it resolved to.
-    before = utils._tracking_uri
+    # set_tracking_uri also exports $MLFLOW_TRACKING_URI, which training honours: restore it.
+    before, env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         yield mlflow
     finally:
         utils._tracking_uri = before
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
