@@ -222,21 +222,30 @@ class RunStore:
         path if it holds an older run (so resuming it finds its tracker runs), else fresh.
         Two processes racing here agree: the first file written wins."""
         path = self.dir / "identity.json"
-        if path.exists():
-            return str(json.loads(path.read_text())["uuid"])
-        legacy = (self.dir / "config.yaml").exists() or (self.dir / "trackers.json").exists()
+        if (known := self.peek_uuid()) is not None and path.exists():
+            return known
         ident = (
-            {"uuid": legacy_run_uuid(self.dir), "derived_from": str(self.dir.resolve())}
-            if legacy
+            {"uuid": known, "derived_from": str(self.dir.resolve())}
+            if known is not None
             else {"uuid": uuid.uuid4().hex}
         )
         try:
             _write_json_exclusive(path, ident)
         except FileExistsError:
             return str(json.loads(path.read_text())["uuid"])
-        except OSError:  # a read-only store: the derived id still holds
-            pass
+        except OSError:  # a read-only store: an id derived from the path holds for every call
+            return legacy_run_uuid(self.dir)
         return ident["uuid"]
+
+    def peek_uuid(self) -> str | None:
+        """The run's UUID without writing anything: identity.json's, else the one derived for
+        an older run store (config.yaml or trackers.json but no identity), else None."""
+        path = self.dir / "identity.json"
+        if path.exists():
+            return str(json.loads(path.read_text())["uuid"])
+        if (self.dir / "config.yaml").exists() or (self.dir / "trackers.json").exists():
+            return legacy_run_uuid(self.dir)
+        return None
 
     # -- provenance -----------------------------------------------------------------------
     def write_provenance(self, provenance: dict[str, Any]) -> None:
@@ -284,6 +293,11 @@ def _write_json_exclusive(path: Path, data: dict[str, Any]) -> None:
     tmp.write_text(json.dumps(data, indent=2))
     try:
         os.link(tmp, path)  # atomic and fails if the target exists
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: exclusive create (not atomic)
+        with open(path, "x") as f:
+            f.write(tmp.read_text())
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -88,6 +88,13 @@ def test_a_new_run_at_a_path_another_run_used_is_a_different_run(
     assert runs[a_mlflow][RUN_UUID_TAG] == RunStore(archived).run_uuid()
     assert a_wandb == stable_run_id(RunStore(archived).run_uuid())
 
+    # analysis keeps the three apart (same name and path, other identities)
+    from omgrpo.analysis import load_runs
+
+    df = load_runs(mlflow_experiment="same-path", mlflow_uri=mlflow_uri)
+    assert df["run"].nunique() == 3 and df["run_uuid"].nunique() == 3
+    assert df.groupby("run")["step"].apply(list).map(sorted).tolist() == [[1, 2, 3]] * 3
+
 
 def test_a_moved_or_copied_run_directory_keeps_its_identity(tmp_path, mlflow_uri, offline_wandb):
     """Syncing a moved run replaces its own MLflow run and writes its own W&B run."""

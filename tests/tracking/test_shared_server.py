@@ -97,6 +97,7 @@ def test_four_agents_and_a_reused_path_share_one_server(tiny_overrides, tmp_path
     with mlflow_server(tmp_path) as uri:
         env = {**os.environ, "PYTHONPATH": str(REPO), "MLFLOW_TRACKING_URI": uri,
                "MLFLOW_EXPERIMENT_NAME": "shared", "WANDB_MODE": "offline"}  # fmt: skip
+        env.pop("WANDB_SERVICE", None)  # not the W&B service of an earlier in-process run
         procs = [train_in(d, name, overrides, env) for d in dirs for name in ("r0", "r1")]
         outputs = [p.communicate(timeout=300)[0] for p in procs]
         assert [p.returncode for p in procs] == [0] * 4, outputs
