@@ -192,7 +192,7 @@ def plan_runs(
     """Expand a sweep file into runs: overrides, composed name, and what to do with each
     (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
-    from omgrpo.tracking import default_mlflow_uri
+    from omgrpo.tracking import default_mlflow_uri, resolve_tracking_config
 
     path = Path(path)
     sweep = load_sweep(path)
@@ -217,7 +217,7 @@ def plan_runs(
             tracking = cfg.tracking
             uri = None
             if tracking.mlflow:
-                uri = str(tracking.mlflow_uri or default_mlflow_uri(root))
+                uri = str(resolve_tracking_config(tracking).mlflow_uri or default_mlflow_uri(root))
         except Exception as e:
             raise SweepError(f"{path}: run {' '.join(overrides)} does not compose: {e}") from e
         key = str(root / name)

@@ -10,6 +10,9 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A developer's shared server or project must not receive test runs (training honours these).
+for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_ENTITY"):
+    os.environ.pop(_var, None)
 
 # A toy run that takes well under a second per step on 2 CPU cores.
 TINY = [

@@ -102,6 +102,8 @@ def report_main(argv: list[str]) -> int:
         path = write_report(ns.runs, out, title=ns.title)
     except (FileNotFoundError, NoRunsError, ValueError) as e:
         return _fail(prog, str(e))
+    section = path.read_text().split("## Provenance\n", 1)[-1].split("\n## ", 1)[0]
+    print("provenance:\n" + section.strip())
     print(f"report: {path}  (figures in {path.parent / 'figures'}/)")
     return 0
 

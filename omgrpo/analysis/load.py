@@ -4,7 +4,7 @@ Sources: local run directories (the run store: `config.yaml` + `metrics.jsonl`, 
 truth), an MLflow experiment, or a W&B project (online API only). Every source gives the same
 columns:
 
-    run, run_dir, experiment, variant, method, seed, scale, status, source,   (identity)
+    run, run_dir, run_uuid, experiment, variant, method, seed, scale, status, source  (identity)
     cfg.<section>.<field> ...                                                 (resolved config)
     step, <metric> ...                                                        (store names)
 
@@ -31,17 +31,19 @@ import yaml
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.tracking import (
     RUN_DIR_TAG,
+    RUN_UUID_TAG,
     flatten,
     resolve_wandb_mode,
     run_method,
     run_scale,
     sanitize_metric_name,
 )
-from omgrpo.tracking.store import RunStore
+from omgrpo.tracking.store import RunStore, legacy_run_uuid
 
 IDENTITY_COLUMNS = (
     "run",
     "run_dir",
+    "run_uuid",
     "experiment",
     "variant",
     "method",
@@ -203,13 +205,16 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     return RunStore(run_dir).read_config() or {}
 
 
-def _identity(config: Mapping[str, Any], run_dir: Path | str | None) -> dict[str, Any]:
+def _identity(
+    config: Mapping[str, Any], run_dir: Path | str | None, run_uuid: str | None = None
+) -> dict[str, Any]:
     run = config.get("run") or {}
     name = run.get("name") or (Path(run_dir).name if run_dir else "unnamed")
     seed = config.get("seed")
     return {
         "run": str(name),
         "run_dir": str(run_dir) if run_dir is not None else None,
+        "run_uuid": run_uuid,
         "experiment": str(run.get("experiment") or "unknown"),
         "variant": str(run.get("variant") or run_method(config)),
         "method": run_method(config),
@@ -289,24 +294,27 @@ def _store_frame(run_dir: Path) -> pd.DataFrame:
     store = RunStore(run_dir)
     config = _read_config(run_dir)
     status = store.read_status().get("state")
-    return _frame(_identity(config, run_dir), config, store.read_metrics(), status, "store")
+    ident = _identity(config, run_dir, store.peek_uuid())
+    return _frame(ident, config, store.read_metrics(), status, "store")
 
 
 def _combine(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=[*IDENTITY_COLUMNS, "step"])
-    # Two different runs with the same name (other roots, or a store run and its MLflow copy):
-    # keep them apart, so that per-run statistics never mix them.
-    names: dict[str, set[tuple[str, str]]] = {}
+    # Two different runs with the same name (other roots, a store run and its MLflow copy, or
+    # two machines' runs at one path: other UUIDs): keep them apart, so that per-run
+    # statistics never mix them.
+    names: dict[str, set[tuple[str, str, str]]] = {}
     for f in frames:
-        names.setdefault(f["run"].iloc[0], set()).add(
-            (f["source"].iloc[0], str(f["run_dir"].iloc[0]))
-        )
+        key = (f["source"].iloc[0], str(f["run_dir"].iloc[0]), str(f["run_uuid"].iloc[0]))
+        names.setdefault(f["run"].iloc[0], set()).add(key)
     for i, f in enumerate(frames):
         name, source, run_dir = f["run"].iloc[0], f["source"].iloc[0], f["run_dir"].iloc[0]
         if len(names[name]) > 1:
-            frames[i] = f.assign(run=f"{name} [{source}: {run_dir}]")
+            same_dir = sum(k[:2] == (source, str(run_dir)) for k in names[name]) > 1
+            tail = f" {str(f['run_uuid'].iloc[0])[:8]}" if same_dir else ""
+            frames[i] = f.assign(run=f"{name} [{source}: {run_dir}{tail}]")
     df = pd.concat(frames, ignore_index=True, sort=False)
     cfg = sorted(c for c in df.columns if _is_cfg(c))
     metrics = [c for c in df.columns if c not in IDENTITY_COLUMNS and c != "step" and c not in cfg]
@@ -351,12 +359,17 @@ def _tracking_uri(uri: str):
 
     # Restore exactly what was there: an unset URI must stay unset (so $MLFLOW_TRACKING_URI
     # keeps working for the caller), not be pinned to the default it resolved to.
-    before = utils._tracking_uri
+    # set_tracking_uri also exports $MLFLOW_TRACKING_URI, which training honours: restore it.
+    before, env = utils._tracking_uri, os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     try:
         yield mlflow
     finally:
         utils._tracking_uri = before
+        if env is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env
 
 
 def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
@@ -397,7 +410,9 @@ def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
             for m in history:
                 points.setdefault(int(m.step), {})[name] = m.value
         metrics = pd.DataFrame([{"train/step": s, **v} for s, v in sorted(points.items())])
-        ident = _identity(config, tags.get(RUN_DIR_TAG))
+        run_dir = tags.get(RUN_DIR_TAG)
+        run_uuid = tags.get(RUN_UUID_TAG) or (legacy_run_uuid(run_dir) if run_dir else None)
+        ident = _identity(config, run_dir, run_uuid)
         if isinstance(tags.get("mlflow.runName"), str) and not (config.get("run") or {}).get(
             "name"
         ):
@@ -461,7 +476,7 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
             values = {k: v for k, v in row.items() if not k.startswith("_")}
             points.setdefault(int(step), {}).update(values)
         rows = [{**values, "train/step": step} for step, values in sorted(points.items())]
-        ident = _identity(config, None)
+        ident = _identity(config, None, config.get("omgrpo_run_uuid"))
         if not (config.get("run") or {}).get("name"):
             ident["run"] = run.name
         frames.append(_frame(ident, config, pd.DataFrame(rows), str(run.state), "wandb"))
@@ -469,28 +484,13 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
 
 
 # -- statistics --------------------------------------------------------------------------------
-# Two-sided 95% Student-t critical values t_{0.975, df} for df = 1..30 (used without scipy).
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-
-
 def t_critical(dof: int, confidence: float = 0.95) -> float:
-    """Two-sided Student-t critical value (scipy if installed; else a table for 95%)."""
+    """Two-sided Student-t critical value t_{(1+confidence)/2, dof}; NaN without a dof."""
+    from scipy import stats
+
     if dof < 1:
         return math.nan
-    try:
-        from scipy import stats
-
-        return float(stats.t.ppf(0.5 + confidence / 2, dof))
-    except ImportError:
-        if confidence != 0.95:
-            raise ValueError("without scipy only 95% intervals are available") from None
-        if dof <= len(_T975):
-            return _T975[dof - 1]
-        return 1.960 + 2.4 / dof  # within 0.003 of the exact value for df > 30
+    return float(stats.t.ppf(0.5 + confidence / 2, dof))
 
 
 def aggregate_seeds(

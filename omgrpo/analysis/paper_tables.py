@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 
 from omgrpo.analysis.load import aggregate_seeds
+from omgrpo.analysis.provenance import provenance_lines
 from omgrpo.analysis.tables import markdown_table
 from omgrpo.tracking.store import RunStore
 
@@ -370,8 +371,19 @@ def write_tables(sources: Sequence[str | Path], out_dir: str | Path, checkpoint=
         (out / f"{stem}.md").write_text(f"## {table.title}\n\n{table.markdown}\n")
         (out / f"{stem}.tex").write_text(table.latex + "\n")
     path = out / "tables.md"
-    path.write_text("\n".join(["# Tables from benchmark evaluations", "", *_markdown(tables)]))
+    lines = ["# Tables from benchmark evaluations", "", *provenance_section(df), *_markdown(tables)]
+    path.write_text("\n".join(lines))
     return path
+
+
+def provenance_section(df: pd.DataFrame) -> list[str]:
+    """Provenance lines of the evaluated runs, one per suite (the runs its tables compare);
+    warns when a suite's runs come from different commits."""
+    lines = []
+    for suite, part in df.groupby("suite", sort=False):
+        dirs = [d for d in dict.fromkeys(part["run_dir"]) if isinstance(d, str) and d]
+        lines += [f"- {line}" for line in provenance_lines({f"suite {suite}": dirs})]
+    return ["Provenance of the evaluated runs:", "", *lines, ""] if lines else []
 
 
 def eval_tables_section(sources: Sequence[str | Path], checkpoint: str = "last") -> list[str]:
@@ -380,7 +392,8 @@ def eval_tables_section(sources: Sequence[str | Path], checkpoint: str = "last")
     if df.empty:
         return []
     tables = all_eval_tables(df, checkpoint)
-    return ["## Benchmark evaluations (`omgrpo eval`)", "", *_markdown(tables, level="###")]
+    head = ["## Benchmark evaluations (`omgrpo eval`)", "", *provenance_section(df)]
+    return [*head, *_markdown(tables, level="###")]
 
 
 def _markdown(tables: dict[str, EvalTable], level: str = "##") -> list[str]:

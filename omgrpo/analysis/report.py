@@ -31,6 +31,7 @@ from omgrpo.analysis.load import (
     verdict,
 )
 from omgrpo.analysis.paper_tables import eval_tables_section
+from omgrpo.analysis.provenance import provenance_lines
 from omgrpo.analysis.tables import (
     TABLE_TITLES,
     Table,
@@ -81,6 +82,7 @@ def write_report(
     )
     lines.append("")
     lines += _runs_section(df, dirs)
+    lines += provenance_section(dirs)
     lines += what_happened(df)
     lines += base_checks_section(base_checks(dirs))  # the toy bases' acceptance checks
     lines += _tables_section(tables)
@@ -167,6 +169,20 @@ def _figures_section(figures: Mapping[str, list[Path] | str], out_dir: Path) -> 
             lines.append(f"- **{TITLES.get(name, name)}** (`{name}`): {reason}")
         lines.append("")
     return lines
+
+
+def provenance_section(dirs: Sequence[Path]) -> list[str]:
+    """## Provenance: one line per experiment (run group); a warning line when the runs come
+    from different commits (the report's tables compare them all)."""
+    groups: dict[str, list[Path]] = {}
+    for run_dir in dirs:
+        try:
+            experiment = (_read_config(run_dir).get("run") or {}).get("experiment")
+        except (OSError, ValueError):
+            experiment = None
+        groups.setdefault(str(experiment or "runs"), []).append(run_dir)
+    lines = provenance_lines(groups)
+    return ["## Provenance", "", *(f"- {line}" for line in lines), ""]
 
 
 def _configs_section(dirs: Sequence[Path]) -> list[str]:
@@ -334,3 +350,9 @@ def _run_name(run_dir: Path) -> str:
     except Exception:
         config = {}
     return str((config.get("run") or {}).get("name") or Path(run_dir).name)
+
+
+def _read_config(run_dir: Path) -> dict:
+    from omgrpo.tracking.store import RunStore
+
+    return RunStore(run_dir).read_config() or {}

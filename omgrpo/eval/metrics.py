@@ -77,14 +77,26 @@ def per_problem_scores(
 def bootstrap_ci(
     scores: dict[str, np.ndarray], n_boot: int = 1000, seed: int = 0, level: float = 0.95
 ) -> dict[str, tuple[float, float]]:
-    """Percentile bootstrap interval of each metric's mean over problems (problems resampled
-    with replacement, the same resamples for every metric)."""
+    """Percentile bootstrap interval of each metric's mean over problems (`scipy.stats.bootstrap`,
+    method='percentile'; problems resampled with replacement, the same resamples for every
+    metric, deterministic by `seed`)."""
+    from scipy import stats
+
     names = list(scores)
-    matrix = np.stack([scores[m] for m in names], axis=1)  # (P, M)
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, matrix.shape[0], size=(n_boot, matrix.shape[0]))
-    means = matrix[idx].mean(axis=1)  # (n_boot, M)
-    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2], axis=0)
+    matrix = np.stack([np.asarray(scores[m], dtype=float) for m in names], axis=1)  # (P, M)
+    if matrix.shape[0] < 2:  # scipy needs two observations; one problem has a point interval
+        return {m: (float(v), float(v)) for m, v in zip(names, matrix.mean(axis=0))}
+    res = stats.bootstrap(
+        (matrix,),
+        lambda x, axis: x.mean(axis=axis),
+        n_resamples=n_boot,
+        confidence_level=level,
+        method="percentile",
+        axis=0,
+        vectorized=True,
+        rng=np.random.default_rng(seed),
+    )
+    lo, hi = res.confidence_interval
     return {m: (float(a), float(b)) for m, a, b in zip(names, lo, hi)}
 
 

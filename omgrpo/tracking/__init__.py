@@ -15,6 +15,11 @@ because of a tracker, and a backend that stops answering (a locked database) hol
 the run by at most `STALL_TIMEOUT_S`. `omgrpo.tracking.sync.sync_run` replays the local run into
 a backend afterwards.
 
+Identity: a run is its UUID (`RunStore.run_uuid()`, `identity.json`), not its path: the MLflow
+tag `omgrpo.run_uuid` and the W&B run id derive from it, and resume, sync and supersession
+touch only runs of that UUID. Config keys are resolved over the ecosystem's environment
+variables (`resolve_tracking_config`: config > $MLFLOW_TRACKING_URI etc. > defaults).
+
 Resume: a tracker's history must show each step once, with the resumed values. MLflow cannot
 delete points and an offline W&B run cannot be resumed, so a resumed run (`resume_step=S`)
 opens a fresh MLflow run / W&B offline segment, `replay_store` copies steps <= S from the run
@@ -24,6 +29,7 @@ Online, W&B rewinds the same run to S instead (`resume_from`).
 
 Modules, one job each:
 - `base`: the `Tracker` protocol, `NullTracker`, `TrackingConfig`, run statuses.
+- `provenance`: what produced a run (commit, versions, torch build, devices).
 - `naming`: secrets (`redact`), metric names (`sanitize_metric_name`), params, run ids.
 - `fanout`: `FanOutTracker`, `build_trackers`, `replay_store`.
 - `mlflow_tracker`, `wandb_tracker`: one backend each (a new tracker is one new module here,
@@ -38,10 +44,12 @@ from omgrpo.tracking.base import (
     TrackerWarning,
     TrackingConfig,
     as_tracking_config,
+    resolve_tracking_config,
 )
 from omgrpo.tracking.fanout import FanOutTracker, build_trackers, replay_store
 from omgrpo.tracking.mlflow_tracker import (
     RUN_DIR_TAG,
+    RUN_UUID_TAG,
     STALL_TIMEOUT_S,
     MLflowTracker,
     default_mlflow_uri,
@@ -67,6 +75,7 @@ from omgrpo.tracking.wandb_tracker import (
 
 __all__ = [
     "RUN_DIR_TAG",
+    "RUN_UUID_TAG",
     "STALL_TIMEOUT_S",
     "STATUSES",
     "FanOutTracker",
@@ -86,6 +95,7 @@ __all__ = [
     "offline_segments",
     "redact",
     "replay_store",
+    "resolve_tracking_config",
     "resolve_wandb_mode",
     "retire_offline_segments",
     "run_method",

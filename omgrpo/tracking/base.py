@@ -7,6 +7,7 @@ A backend (`MLflowTracker`, `WandbTracker`) implements `Tracker`; `FanOutTracker
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +23,17 @@ class TrackingConfig:
     mlflow: bool = True
     """Mirror the run to MLflow (a local SQLite store unless `mlflow_uri` says otherwise)."""
     mlflow_uri: str | None = None
-    """MLflow tracking URI; null: `sqlite:///<run.root>/mlflow.db` (view it with
-    `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`)."""
+    """MLflow tracking URI; null: $MLFLOW_TRACKING_URI, else `sqlite:///<run.root>/mlflow.db`
+    (view it with `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`)."""
     mlflow_experiment: str | None = None
-    """MLflow experiment; null: the run's experiment name (`run.experiment`, the run group)."""
+    """MLflow experiment; null: $MLFLOW_EXPERIMENT_NAME, else the run's experiment name
+    (`run.experiment`, the run group)."""
     wandb: bool = True
     """Mirror the run to Weights & Biases (offline unless an API key is configured)."""
-    wandb_project: str = "omgrpo"
-    """W&B project."""
+    wandb_project: str | None = None
+    """W&B project; null: $WANDB_PROJECT, else `omgrpo`."""
     wandb_entity: str | None = None
-    """W&B entity (user or team); null: the account's default entity."""
+    """W&B entity (user or team); null: $WANDB_ENTITY, else the account's default entity."""
     wandb_mode: str | None = None
     """W&B mode: online, offline or disabled; null: $WANDB_MODE if set, else online when an API
     key is configured ($WANDB_API_KEY or a netrc entry), else offline (runs land in
@@ -106,6 +108,34 @@ def as_tracking_config(cfg: Any) -> TrackingConfig:
     if unknown:
         raise ValueError(f"unknown tracking fields {sorted(unknown)}; valid: {sorted(fields)}")
     return TrackingConfig(**dict(cfg))
+
+
+ENV_VARS = {
+    "mlflow_uri": "MLFLOW_TRACKING_URI",
+    "mlflow_experiment": "MLFLOW_EXPERIMENT_NAME",
+    "wandb_project": "WANDB_PROJECT",
+    "wandb_entity": "WANDB_ENTITY",
+    "wandb_mode": "WANDB_MODE",
+}
+"""`tracking` key -> the ecosystem's environment variable that fills it when the key is null."""
+DEFAULT_WANDB_PROJECT = "omgrpo"
+
+
+def resolve_tracking_config(cfg: Any) -> TrackingConfig:
+    """The `tracking` config with nothing left to the environment: a key set in the config wins,
+    else its environment variable (`ENV_VARS`), else the default (W&B project `omgrpo`;
+    `mlflow_uri` / `mlflow_experiment` / `wandb_entity` / `wandb_mode` stay null and mean the
+    run store's SQLite DB, the run group, the account's entity and `resolve_wandb_mode`)."""
+    cfg = as_tracking_config(cfg)
+    filled = {
+        key: os.environ.get(var) or None
+        for key, var in ENV_VARS.items()
+        if getattr(cfg, key) is None
+    }
+    out = dataclasses.replace(cfg, **{k: v for k, v in filled.items() if v is not None})
+    if out.wandb_project is None:
+        out.wandb_project = DEFAULT_WANDB_PROJECT
+    return out
 
 
 def check_status(status: str) -> str:

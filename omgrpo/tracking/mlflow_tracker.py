@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
-from omgrpo.tracking.base import TrackerWarning, as_tracking_config, check_status
+from omgrpo.tracking.base import TrackerWarning, check_status, resolve_tracking_config
 from omgrpo.tracking.naming import (
     as_float,
     flatten,
@@ -28,6 +28,7 @@ from omgrpo.tracking.naming import (
     run_scale,
     sanitize_metric_name,
 )
+from omgrpo.tracking.provenance import provenance_tags
 from omgrpo.tracking.store import RunStore
 from omgrpo.tracking.worker import Worker
 
@@ -35,6 +36,9 @@ STALL_TIMEOUT_S = 4.0
 """MLflow: `finish` gives up when the store has not answered for this long, and opening a
 locked SQLite store fails after it."""
 RUN_DIR_TAG = "omgrpo.run_dir"
+"""Where the run store was when the run (segment) started: informative only."""
+RUN_UUID_TAG = "omgrpo.run_uuid"
+"""The run's identity (`RunStore.run_uuid()`): supersession, resume and sync match on it."""
 
 
 def default_mlflow_uri(runs_root: Path) -> str:
@@ -55,8 +59,8 @@ def sqlite_db_path(uri: str) -> Path | None:
 
 def mlflow_client(uri: str):
     """An MlflowClient for `uri`. A SQLite store is created or upgraded once per process,
-    behind an exclusive `fcntl.flock` on `<db>.lock`: parallel runs starting on a fresh DB
-    would otherwise race on the alembic migration (~7 s) and crash."""
+    behind an exclusive file lock on `<db>.lock`: parallel runs starting on a fresh DB would
+    otherwise race on the alembic migration (~7 s) and crash."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     from mlflow import MlflowClient
 
@@ -68,8 +72,11 @@ def mlflow_client(uri: str):
             client = MlflowClient(tracking_uri=uri)
         else:
             _check_sqlite(db)
+            # MLflow creates a fresh DB's tables and upgrades an older one on first open (every
+            # older schema lacks a table 3.17 has; tests/tracking/test_identity.py opens one)
             with _file_lock(db.with_name(db.name + ".lock")):
-                client = _open_sqlite_store(uri)
+                client = MlflowClient(tracking_uri=uri)
+                client.search_experiments(max_results=1)  # the store is opened lazily
         _READY_STORES.add(uri)
         return client
 
@@ -94,40 +101,12 @@ def _check_sqlite(db: Path) -> None:
         raise RuntimeError(f"cannot open the MLflow database {db}: {e}") from e
 
 
-def _open_sqlite_store(uri: str):
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return MlflowClient(tracking_uri=uri)  # creates the tables of a fresh DB
-    except MlflowException as e:
-        if "out-of-date database schema" not in str(e):
-            raise
-    # A DB written by an older MLflow: upgrade it (we hold the lock), then open it again.
-    import sqlalchemy
-    from mlflow.store.db.utils import _upgrade_db
-
-    engine = sqlalchemy.create_engine(uri)
-    try:
-        _upgrade_db(engine)
-    finally:
-        engine.dispose()
-    return MlflowClient(tracking_uri=uri)
-
-
-@contextlib.contextmanager
 def _file_lock(path: Path):
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock
-        yield
-        return
-    with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    """An exclusive lock on `path` across processes (`filelock`: flock on POSIX, msvcrt on
+    Windows)."""
+    from filelock import FileLock
+
+    return FileLock(str(path))
 
 
 def _filter_literal(value: str) -> str:
@@ -152,10 +131,11 @@ class MLflowTracker:
     written go out together in the next `log_batch` (≤ 1000 metrics each). An error surfaces on
     the next call; `finish` waits for the queue (at most STALL_TIMEOUT_S without an answer).
     The resolved, redacted config goes in as params (`a.b.c` keys) and as the artifact
-    `config.yaml`; rollouts as `rollouts/step_XXXXXX.parquet`. The run carries the tag
-    `omgrpo.run_dir`; each start opens a new run and retires the older ones of the same run
-    directory (`_open_run`), so a resumed or re-synced run is one active run with one value per
-    step.
+    `config.yaml`; rollouts as `rollouts/step_XXXXXX.parquet`. The run carries the tags
+    `omgrpo.run_uuid` (its identity) and `omgrpo.run_dir`; each start opens a new run and
+    retires the older ones of the same identity (`_open_run`), so a resumed or re-synced run is
+    one active run with one value per step, and runs of other machines that used the same path
+    are left alone.
     """
 
     name = "mlflow"
@@ -179,9 +159,9 @@ class MLflowTracker:
     def from_config(
         cls, cfg: Any, runs_root: Path | None, background: bool = True
     ) -> MLflowTracker:
-        """The tracker the `tracking` config asks for; without `mlflow_uri`, the SQLite store
-        `<runs_root>/mlflow.db`."""
-        cfg = as_tracking_config(cfg)
+        """The tracker the `tracking` config asks for (config keys over $MLFLOW_TRACKING_URI /
+        $MLFLOW_EXPERIMENT_NAME); without a URI, the SQLite store `<runs_root>/mlflow.db`."""
+        cfg = resolve_tracking_config(cfg)
         uri = cfg.mlflow_uri
         if uri is None:
             if runs_root is None:
@@ -207,17 +187,21 @@ class MLflowTracker:
             self._worker = Worker(f"omgrpo-mlflow-{self.run_id[:8]}")
 
     def _open_run(self, run_dir: Path, config, name, group, tags, resume_step) -> None:
-        """A new run holding the config (params, `config.yaml`) and tags; the active runs of
-        the same run directory (found by the tag `omgrpo.run_dir`, or by the id the run store
-        recorded, for a run directory that was moved) are soft-deleted and tagged
+        """A new run holding the config (params, `config.yaml`) and tags (the run's UUID, its
+        provenance); the active runs of the same identity (found by the tag `omgrpo.run_uuid`,
+        or by the id the run store recorded, for a run from before identities) are soft-deleted
+        and tagged
         `omgrpo.superseded_by`: MLflow cannot delete single points, and the new run gets the
         run store's history replayed, so exactly one active run shows each step once."""
         from mlflow.entities import Param
 
         client = self.client
         self.experiment_id = self._experiment(self.experiment or group or "omgrpo")
+        store = RunStore(run_dir)
         run_tags = {
+            RUN_UUID_TAG: store.run_uuid(),
             RUN_DIR_TAG: run_dir_key(run_dir),
+            **provenance_tags(store.read_provenance()),
             "mlflow.runName": name,
             "group": str(group),
             "method": run_method(config),
@@ -329,24 +313,30 @@ class MLflowTracker:
 
     # -- helpers ------------------------------------------------------------------------------
     def find_runs(self, run_dir: Path) -> list:
-        """The active runs (in any experiment) of this run directory: tagged with its path,
-        or recorded in its run store (`trackers.json`, so a moved run directory is found)."""
+        """The active runs (in any experiment) of this run's identity: tagged with its UUID, or
+        recorded in its run store (`trackers.json`) and carrying no other UUID (a run logged
+        before identities existed). A run at the same path with another UUID is not one."""
         from mlflow.entities import ViewType
 
         client = self.client or mlflow_client(self.uri)
+        store = RunStore(run_dir)
+        run_uuid = store.run_uuid()
         experiments = [e.experiment_id for e in _all_experiments(client)]
-        flt = f"tags.`{RUN_DIR_TAG}` = {_filter_literal(run_dir_key(run_dir))}"
+        flt = f"tags.`{RUN_UUID_TAG}` = {_filter_literal(run_uuid)}"
         runs = {}
         for chunk in _chunks(experiments, 100):
             for run in client.search_runs(
                 chunk, filter_string=flt, run_view_type=ViewType.ACTIVE_ONLY, max_results=1000
             ):
                 runs[run.info.run_id] = run
-        recorded = RunStore(run_dir).tracker_ids().get("mlflow")
+        recorded = store.tracker_ids().get("mlflow")
         if recorded and recorded not in runs:
             with contextlib.suppress(Exception):  # recorded in another store, or deleted
                 run = client.get_run(recorded)
-                if run.info.lifecycle_stage == "active":
+                if (
+                    run.info.lifecycle_stage == "active"
+                    and run.data.tags.get(RUN_UUID_TAG, run_uuid) == run_uuid
+                ):
                     runs[recorded] = run
         return list(runs.values())
 
@@ -372,6 +362,11 @@ class MLflowTracker:
         return key
 
     def _experiment(self, name: str) -> str:
+        """The id of experiment `name`, created if missing. Agents starting together race on
+        the creation: on a SQLite store a file lock orders them; on any store (a server) the
+        loser's RESOURCE_ALREADY_EXISTS is answered by reading the winner's experiment."""
+        from mlflow.exceptions import MlflowException
+
         client = self.client
         db = sqlite_db_path(self.uri)
         lock = _file_lock(db.with_name(db.name + ".lock")) if db else contextlib.nullcontext()
@@ -385,7 +380,15 @@ class MLflowTracker:
             if db is not None:  # next to the DB, not in the working directory
                 slug = re.sub(r"[^\w.\-]+", "_", name)
                 location = (db.resolve().parent / "mlartifacts" / slug).as_uri()
-            return client.create_experiment(name, artifact_location=location)
+            try:
+                return client.create_experiment(name, artifact_location=location)
+            except MlflowException as e:  # another agent created it since we looked
+                if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                exp = client.get_experiment_by_name(name)
+                if exp is None:
+                    raise
+                return exp.experiment_id
 
 
 def _all_experiments(client):

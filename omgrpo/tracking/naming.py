@@ -1,6 +1,6 @@
 """What a tracker is handed: secrets masked (`redact`), metric names MLflow accepts
 (`sanitize_metric_name`), flat params (`flatten`), plain values (`as_float`) and the ids and
-tags a run is known by (`stable_run_id`, `run_method`, `run_scale`).
+tags a run is known by (`stable_run_id` from the run's UUID, `run_method`, `run_scale`).
 
 Secrets: `redact` masks secret-looking config values before any backend sees the config.
 Names: `sanitize_metric_name` maps the metric names of the README/DESIGN contract onto what
@@ -193,7 +193,7 @@ def run_dir_key(run_dir: Path) -> str:
     return str(Path(run_dir).expanduser().resolve())
 
 
-def stable_run_id(run_dir: Path) -> str:
-    """A W&B run id derived from the run directory: a resumed or synced run lands in the same
-    W&B run."""
-    return hashlib.sha1(run_dir_key(run_dir).encode()).hexdigest()[:16]
+def stable_run_id(run_uuid: str) -> str:
+    """The W&B run id of the run with identity `run_uuid` (`RunStore.run_uuid()`): a resumed,
+    moved or synced run lands in the same W&B run, a new run at a used path in a new one."""
+    return str(run_uuid).replace("-", "")[:32]

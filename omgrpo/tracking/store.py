@@ -7,6 +7,13 @@ checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
 status.json            running / finished / failed / killed, the last step that completed
                        (`step`; `failed_step` where a step failed), and why it stopped
 trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them)
+identity.json          the run's identity: `{"uuid": ...}`, made when the run starts fresh. The
+                       trackers' ids derive from it, so a moved or copied directory is the same
+                       run and a new run at a path used before is a different one. A store
+                       written before identities existed gets one derived from its absolute path
+                       (`legacy_run_uuid`, `"derived_from"` says so) on first use, then kept.
+provenance.json        what produced the run: git commit and dirty flag, package versions, torch
+                       build, devices (`omgrpo.tracking.provenance`)
 """
 
 from __future__ import annotations
@@ -202,6 +209,61 @@ class RunStore:
         finally:
             _ATTEMPT.reset(token)
 
+    # -- identity -----------------------------------------------------------------------
+    def new_identity(self) -> str:
+        """Give the run a fresh UUID (a run starting from scratch); returns it."""
+        run_uuid = uuid.uuid4().hex
+        _write_json_atomic(self.dir / "identity.json", {"uuid": run_uuid})
+        (self.dir / "trackers.json").unlink(missing_ok=True)  # ids of the run it replaces
+        return run_uuid
+
+    def run_uuid(self) -> str:
+        """The run's UUID (32 hex digits). A store without one gets it now: derived from its
+        path if it holds an older run (so resuming it finds its tracker runs), else fresh.
+        Two processes racing here agree: the first file written wins."""
+        path = self.dir / "identity.json"
+        if (known := self.peek_uuid()) is not None and path.exists():
+            return known
+        ident = (
+            {"uuid": known, "derived_from": str(self.dir.resolve())}
+            if known is not None
+            else {"uuid": uuid.uuid4().hex}
+        )
+        try:
+            _write_json_exclusive(path, ident)
+        except FileExistsError:
+            return str(json.loads(path.read_text())["uuid"])
+        except OSError:  # a read-only store: an id derived from the path holds for every call
+            return legacy_run_uuid(self.dir)
+        return ident["uuid"]
+
+    def peek_uuid(self) -> str | None:
+        """The run's UUID without writing anything: identity.json's, else the one derived for
+        an older run store (config.yaml or trackers.json but no identity), else None."""
+        path = self.dir / "identity.json"
+        if path.exists():
+            return str(json.loads(path.read_text())["uuid"])
+        if (self.dir / "config.yaml").exists() or (self.dir / "trackers.json").exists():
+            return legacy_run_uuid(self.dir)
+        return None
+
+    # -- provenance -----------------------------------------------------------------------
+    def write_provenance(self, provenance: dict[str, Any]) -> None:
+        """Record what produced this (segment of the) run; a resumed run that differs keeps
+        the earlier records under `earlier`."""
+        old = self.read_provenance()
+        earlier = old.pop("earlier", [])
+        if old and old != provenance:
+            earlier.append(old)
+        _write_json_atomic(
+            self.dir / "provenance.json",
+            {**provenance, **({"earlier": earlier} if earlier else {})},
+        )
+
+    def read_provenance(self) -> dict[str, Any]:
+        path = self.dir / "provenance.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
     # -- tracker ids ----------------------------------------------------------------------
     def tracker_ids(self) -> dict[str, str]:
         path = self.dir / "trackers.json"
@@ -216,6 +278,28 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(path)
+
+
+def legacy_run_uuid(run_dir: Path) -> str:
+    """The identity of a run store written before identities existed: a UUID5 of its absolute
+    path, the key such runs were known by (stable, so every resume derives the same one)."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, str(Path(run_dir).expanduser().resolve())).hex
+
+
+def _write_json_exclusive(path: Path, data: dict[str, Any]) -> None:
+    """Write `path` only if it does not exist (FileExistsError otherwise), never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    try:
+        os.link(tmp, path)  # atomic and fails if the target exists
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links: exclusive create (not atomic)
+        with open(path, "x") as f:
+            f.write(tmp.read_text())
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _plain(value: Any) -> Any:

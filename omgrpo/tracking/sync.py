@@ -9,13 +9,14 @@ sends them with the same tracker classes the trainer uses. Works on finished and
 runs (a killed run's last, half-written metrics line is ignored).
 
 Re-running is safe: each sync writes the run store's whole history into a new tracker run and
-retires the older ones of the same run directory (the same thing a resumed training run does,
-see `omgrpo.tracking`), so there is always one active run with one value per step:
-- MLflow: a new run, tagged `omgrpo.run_dir`; the older active runs of the directory (also one
+retires the older ones of the same run identity (the UUID in `identity.json`; the same thing a
+resumed training run does, see `omgrpo.tracking`), so there is always one active run with one
+value per step, and runs of other machines that used the same path are never touched:
+- MLflow: a new run, tagged `omgrpo.run_uuid`; the older active runs of the identity (also one
   the trainer created before its backend failed, or one left RUNNING by a locked database) are
   soft-deleted and tagged `omgrpo.superseded_by`. The run status is set from `status.json`
   (finished / failed; a run still "running" there is marked KILLED).
-- W&B: the run id recorded in the run store (else derived from the run directory). Offline,
+- W&B: the run id recorded in the run store (else derived from the run's UUID). Offline,
   the sync writes a new `<run_dir>/wandb/offline-run-*` folder with the whole history and moves
   the older ones to `wandb/superseded/`; upload it with `wandb sync`. Online, the run is
   resumed with resume="allow" and every step is appended again (W&B history cannot be read
@@ -46,7 +47,8 @@ def sync_run(run_dir: str | Path, to: str, tracking_cfg: Any = None) -> str:
     """Replay the run in `run_dir` into `to` ("mlflow" or "wandb"); returns the backend's run
     id. `tracking_cfg` is the `tracking` config section (a TrackingConfig, dict or None for
     the defaults); its on/off switches are ignored: naming a backend here means use it. The
-    default MLflow store is `<run_dir>/../mlflow.db`, the one the trainer uses. Errors raise
+    default MLflow store is $MLFLOW_TRACKING_URI, else `<run_dir>/../mlflow.db`, as for the
+    trainer. Errors raise
     (unlike during training)."""
     run_dir = Path(run_dir)
     store = RunStore(run_dir)

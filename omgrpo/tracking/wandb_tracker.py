@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from omgrpo.tracking.base import as_tracking_config, check_status
+from omgrpo.tracking.base import check_status, resolve_tracking_config
 from omgrpo.tracking.naming import plain_value, redact, run_method, run_scale, stable_run_id
 from omgrpo.tracking.store import RunStore
 
@@ -49,9 +49,10 @@ def resolve_wandb_mode(mode: str | None) -> str:
 class WandbTracker:
     """Mirrors a run to W&B (offline by default: `<run_dir>/wandb/offline-run-*`).
 
-    The W&B run id is derived from the run directory (`stable_run_id`) and recorded in the run
-    store (`trackers.json`), so a resumed, moved or synced run keeps it (not under a sweep
-    agent, which assigns its own id). Rows are logged with W&B's step = `train/step`, and every
+    The W&B run id is derived from the run's UUID (`stable_run_id(RunStore.run_uuid())`) and
+    recorded in the run store (`trackers.json`), so a resumed, moved or synced run keeps it and
+    a new run at a path used before gets another (not under a sweep agent, which assigns its
+    own id). The run's `provenance.json` goes into the config as `provenance`. Rows are logged with W&B's step = `train/step`, and every
     metric is plotted against `train/step`. Values go in as they are (W&B takes strings, NaN
     and inf). Rollouts: a `wandb.Table` of at most 200 sampled rows per call.
 
@@ -78,8 +79,9 @@ class WandbTracker:
 
     @classmethod
     def from_config(cls, cfg: Any) -> WandbTracker:
-        """The tracker the `tracking` config asks for."""
-        cfg = as_tracking_config(cfg)
+        """The tracker the `tracking` config asks for (config keys over $WANDB_PROJECT /
+        $WANDB_ENTITY / $WANDB_MODE)."""
+        cfg = resolve_tracking_config(cfg)
         return cls(project=cfg.wandb_project, entity=cfg.wandb_entity, mode=cfg.wandb_mode)
 
     def start(self, run_dir, config, *, name, group, tags, resume_step=None) -> None:
@@ -97,8 +99,11 @@ class WandbTracker:
         settings = wandb.Settings(silent=True, save_code=False, console="off")
         # A sweep agent assigns the run id ($WANDB_RUN_ID): do not override it.
         run_id = os.environ.get("WANDB_RUN_ID") or (
-            None if sweep else store.tracker_ids().get("wandb") or stable_run_id(run_dir)
+            None if sweep else store.tracker_ids().get("wandb") or stable_run_id(store.run_uuid())
         )
+        config = {**config, "omgrpo_run_uuid": store.run_uuid()}
+        if provenance := store.read_provenance():
+            config["provenance"] = provenance
         # Online with a known id, W&B rewinds the run itself; else a new segment is replayed.
         self.fresh_segment = mode != "online" or resume_step is None or run_id is None
         if self.fresh_segment:

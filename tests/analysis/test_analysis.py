@@ -450,11 +450,12 @@ def test_aggregate_seeds_ci_by_hand():
         aggregate_seeds(df, "nope")
 
 
-def test_t_table_without_scipy(monkeypatch):
-    with_scipy = t_critical(2)
-    monkeypatch.setitem(sys.modules, "scipy", None)  # `from scipy import stats` fails
-    assert t_critical(2) == pytest.approx(with_scipy, abs=1e-3)
-    assert t_critical(60) == pytest.approx(2.000, abs=3e-3)
+def test_t_critical_is_scipys_student_t():
+    # reference values of t_{0.975, df} from printed tables
+    assert t_critical(2) == pytest.approx(4.303, abs=1e-3)
+    assert t_critical(30) == pytest.approx(2.042, abs=1e-3)
+    assert t_critical(60) == pytest.approx(2.000, abs=1e-3)
+    assert t_critical(4, confidence=0.9) == pytest.approx(2.132, abs=1e-3)
     assert math.isnan(t_critical(0))
 
 
@@ -529,7 +530,10 @@ def test_report_command_names_every_run(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert str(out / "report.md") in proc.stdout
+    # the fixture runs predate provenance records: the line says so
+    assert f"{len(FIXTURE_RUNS)} run(s) · {len(FIXTURE_RUNS)} without provenance" in proc.stdout
     text = (out / "report.md").read_text()
+    assert "## Provenance" in text
     for run in FIXTURE_RUNS:
         assert f"`{run}`" in text and f"<code>{run}</code>" in text
     assert "](figures/training_dynamics.png)" in text
@@ -621,3 +625,28 @@ def test_old_car_runs_top_vote_columns_get_todays_names(tmp_path):
     assert df["answers/top_vote_acc"].tolist() == [0.75, 0.5]
     assert df["car/top_vote_acc"].tolist()[0] == 0.25 and math.isnan(df["car/top_vote_acc"][1])
     assert "car/top_vote_acc_without_car" not in df.columns
+
+
+def test_report_provenance_line_per_group_and_a_warning_on_mixed_commits(tmp_path):
+    from omgrpo.analysis.provenance import ProvenanceWarning
+    from omgrpo.analysis.report import provenance_section
+
+    dirs = []
+    for name, experiment, commit in [
+        ("a", "e1", "1" * 40),
+        ("b", "e1", "1" * 40),
+        ("c", "e2", "2" * 40),
+    ]:
+        store = RunStore(tmp_path / name)
+        store.write_config({"run": {"name": name, "experiment": experiment}})
+        store.write_provenance(
+            {"git_commit": commit, "git_dirty": name == "b", "versions": {"torch": "2.13.0"},
+             "torch_build": "cpu", "device_type": "cpu", "device_count": 2, "device_names": ["x"]}
+        )  # fmt: skip
+        dirs.append(store.dir)
+    with pytest.warns(ProvenanceWarning, match="2 different commits"):
+        lines = provenance_section(dirs)
+    e1 = next(x for x in lines if x.startswith("- e1:"))
+    assert "2 run(s)" in e1 and "commit 1111111111 (1 dirty)" in e1 and "torch 2.13.0" in e1
+    assert next(x for x in lines if x.startswith("- e2:")).count("2222222222") == 1
+    assert any("WARNING: the runs compared come from 2 different commits" in x for x in lines)

@@ -138,3 +138,31 @@ def test_report_section_only_when_evals_exist(evals, tmp_path):
     empty = tmp_path / "no_evals"
     empty.mkdir()
     assert eval_tables_section([empty]) == []
+
+
+def test_tables_print_provenance_and_warn_on_mixed_commits(evals, tmp_path, capsys):
+    """Each suite's runs get a provenance line; runs from two commits in one table warn."""
+    from omgrpo.analysis.provenance import ProvenanceWarning
+    from omgrpo.tracking.store import RunStore
+
+    record = {
+        "git_commit": "a" * 40,
+        "git_dirty": False,
+        "versions": {"omgrpo": "0.1.0", "torch": "2.13.0+cpu", "vllm": None},
+        "torch_build": "cpu",
+        "device_type": "cpu",
+        "device_count": 2,
+        "device_names": ["x86_64"],
+    }
+    RunStore(evals / "main_table__om_grpo__s0").write_provenance(record)
+    RunStore(evals / "main_table__om_grpo__s1").write_provenance(
+        {**record, "git_commit": "b" * 40, "git_dirty": True}
+    )
+    with pytest.warns(ProvenanceWarning, match="2 different commits"):
+        assert main(["tables", str(evals), "--out", str(tmp_path / "t")]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("- suite toy:"))
+    assert "7 run(s)" in line and "5 without provenance" in line  # ttt__mv__s0 twice
+    assert "commit aaaaaaaaaa, bbbbbbbbbb (1 dirty)" in line
+    assert "torch 2.13.0+cpu" in line and "vllm –" in line and "devices 2× x86_64" in line
+    assert "WARNING: the runs compared come from 2 different commits" in out

@@ -78,6 +78,12 @@ def test_bootstrap_ci_contains_the_mean_and_collapses_on_constant_scores():
     assert ci["a"][0] < scores["a"].mean() < ci["a"][1]
     assert ci["b"] == pytest.approx((0.3, 0.3))
     assert bootstrap_ci(scores, n_boot=500, seed=1) == ci  # deterministic by seed
+    # the classical normal-approximation interval of the mean, as a sanity bound
+    half = 1.96 * scores["a"].std(ddof=1) / np.sqrt(50)
+    assert ci["a"] == pytest.approx(
+        (scores["a"].mean() - half, scores["a"].mean() + half), abs=0.02
+    )
+    assert bootstrap_ci({"a": np.array([0.7])}) == {"a": (0.7, 0.7)}  # one problem
 
 
 # -- loaders ------------------------------------------------------------------------------

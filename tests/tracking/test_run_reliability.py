@@ -49,6 +49,9 @@ def _values(run_dir: Path) -> dict[int, dict[str, float]]:
 
 def _train_cli(overrides: list[str]) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    # an earlier in-process W&B run exports its service's socket: a child attached to it would
+    # leave its run's files to this process's service, which writes them late
+    env.pop("WANDB_SERVICE", None)
     cmd = [sys.executable, "-m", "omgrpo", "train", *overrides]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
 

@@ -396,11 +396,10 @@ def test_parallel_runs_on_a_fresh_database_do_not_race(tmp_path):
 def test_wandb_offline_run_dir_and_no_secret(tmp_path, offline_wandb):
     run_dir = tmp_path / "unit__om_grpo__s0"
     tracker = WandbTracker()
-    write_run(run_dir, "wandb-offline", tracker)
+    store = write_run(run_dir, "wandb-offline", tracker)
     (offline,) = offline_run_dirs(run_dir)
-    assert offline.name.endswith(stable_run_id(run_dir)) and tracker.run_id == stable_run_id(
-        run_dir
-    )
+    expected = stable_run_id(store.run_uuid())
+    assert offline.name.endswith(expected) and tracker.run_id == expected
     data = wandb_file_bytes(offline, b"val/pass@4")
     assert b"question_key" in data and b"val/pass@4" in data  # config and metrics are in it
     for path in (run_dir / "wandb").rglob("*"):
@@ -538,7 +537,7 @@ def test_sync_a_partial_run_into_wandb(tmp_path, offline_wandb):
     with store.metrics_path.open("a") as f:
         f.write('{"train/step": 5, "loss/p')  # killed mid-write
     run_id = sync_run(run_dir, "wandb", TrackingConfig())
-    assert run_id == stable_run_id(run_dir)
+    assert run_id == stable_run_id(store.run_uuid())
     (offline,) = offline_run_dirs(run_dir)
     assert b"val/pass@4" in wandb_file_bytes(offline, b"val/pass@4")
 

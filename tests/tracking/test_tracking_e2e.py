@@ -3,7 +3,9 @@ replays the run afterwards with nothing lost."""
 
 import subprocess
 import sys
+import time
 import warnings
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -16,10 +18,13 @@ from omgrpo.tracking import sanitize_metric_name
 from omgrpo.tracking.store import RunStore
 
 pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
-def _restore_mlflow_uri():
+def _restore_mlflow_uri(monkeypatch):
+    # mlflow.set_tracking_uri also exports $MLFLOW_TRACKING_URI, which training honours
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     before = mlflow_uri_state._tracking_uri
     yield
     mlflow_uri_state._tracking_uri = before
@@ -79,3 +84,41 @@ def test_default_trackers_record_a_run(tiny_overrides, tmp_path):
     runs = mlflow.search_runs(search_all_experiments=True)
     assert len(runs) == 1 and runs.iloc[0]["status"] == "FINISHED"
     assert runs.iloc[0]["params.algorithm.answer_weight"] == "0.0"
+
+
+def test_provenance_reaches_the_run_store_mlflow_and_wandb(tiny_overrides, tmp_path):
+    """A toy run records what produced it: provenance.json beside config.yaml, the same as
+    MLflow tags and in the W&B config; a fresh run gets an identity both trackers carry."""
+    import torch
+
+    from omgrpo.tracking import RUN_UUID_TAG, stable_run_id
+
+    overrides = [o for o in tiny_overrides if not o.startswith("tracking.")]
+    run = train(compose([*overrides, "trainer.steps=1", "run.name=prov"]))
+    store = RunStore(run)
+    prov = store.read_provenance()
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    assert prov["git_commit"] == commit and isinstance(prov["git_dirty"], bool)
+    assert prov["versions"]["torch"] == torch.__version__
+    assert set(prov["versions"]) >= {"omgrpo", "torch", "transformers", "verl", "vllm"}
+    assert prov["torch_build"] == (f"cuda {torch.version.cuda}" if torch.version.cuda else "cpu")
+    assert prov["device_count"] >= 1 and prov["device_names"]
+
+    client = MlflowClient(f"sqlite:///{run.parent / 'mlflow.db'}")
+    (mlrun,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    tags = mlrun.data.tags
+    assert tags["provenance.git_commit"] == commit
+    assert tags["provenance.versions.torch"] == torch.__version__
+    assert tags["provenance.torch_build"] == prov["torch_build"]
+    assert tags[RUN_UUID_TAG] == store.run_uuid()
+
+    (offline,) = (run / "wandb").glob(f"offline-run-*-{stable_run_id(store.run_uuid())}")
+    data = b""
+    for _ in range(100):  # W&B's service writes the file asynchronously after finish()
+        (path,) = offline.glob("*.wandb")
+        if commit.encode() in (data := path.read_bytes()):
+            break
+        time.sleep(0.1)
+    assert commit.encode() in data and b"torch_build" in data

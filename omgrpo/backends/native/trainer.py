@@ -87,6 +87,7 @@ from omgrpo.tasks import (
     task_probe,
 )
 from omgrpo.tracking import build_trackers
+from omgrpo.tracking.provenance import collect_provenance
 from omgrpo.tracking.store import RunStore
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -417,7 +418,9 @@ def resume_or_start(run: Run) -> LoopState:
         print(f"resuming {run.store.dir} from step {state.step}")
     else:
         run.store.truncate_metrics(-1)
+        run.store.new_identity()  # a fresh run is a new identity, whatever ran here before
         run.store.write_config(run.config)
+    run.store.write_provenance(collect_provenance())
     run.status("running", state.step)
     return state
 
