@@ -217,6 +217,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     cfg, policy = run.cfg, run.policy
     timer = StageTimer(run.device)
     grading = Grader.from_config(cfg.reward)  # this step's answer comparisons share its budget
+    task_hook = task_probe(cfg.task)  # the task's token roles and guess reading
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     if "coreward" in cfg.reward.parts:  # the paraphrases too; group g's partner is g +- P
@@ -247,7 +248,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             car=car,
             stats=stats,
             grader=grading,
-            probe=task_probe(cfg.task),
+            probe=task_hook,
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -277,7 +278,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     metrics = {
         "train/epoch": (state.step - 1) // run.steps_per_epoch,
         "train/skipped_steps": state.skipped,
-        **step_metrics(batch, state, cfg.collapse.confident_share, task_probe(cfg.task)),
+        **step_metrics(batch, state, cfg.collapse.confident_share, task_hook),
         **update,
         **probe,
         "lr": run.scheduler.get_last_lr()[0],
