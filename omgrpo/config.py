@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.core.car import CarConfig
 from omgrpo.core.losses import AGG_MODES
+from omgrpo.core.spans import ANSWER_SPANS
 from omgrpo.tasks.toy import ToyWorldSpec
 from omgrpo.tracking import TrackingConfig
 
@@ -173,8 +174,9 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
-    """The algorithm section of both backends (verl reads `answer_weight`, `format_only` and
-    `adv_eps`; its own actor keys hold the rest, see `omgrpo.backends.verl.config`)."""
+    """The algorithm section of both backends (verl reads `answer_weight`, `answer_span`,
+    `format_only` and `adv_eps`; its own actor keys hold the rest, see
+    `omgrpo.backends.verl.config`)."""
 
     answer_weight: float = 0.0
     """w >= 0: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla
@@ -182,6 +184,14 @@ class AlgorithmConfig:
     answer_kl_weight: float | None = None
     """Weight (>= 0) of answer-span tokens in the KL term alone; null = answer_weight (the paper:
     both terms masked). 1 with answer_weight 0 masks the PG term but keeps the KL anchor."""
+    answer_span: str = "boxed"
+    """Which tokens are the answer span (masked by `answer_weight`, and the `answer` token role):
+    `boxed` (the paper's span, the tokens inside the last `\\boxed{}`; the default until the v2
+    study says otherwise), `closing` (also the token(s) that decide where the answer ends: the one
+    holding the closing `}` -- whole, whatever it merged with, e.g. the toy BPE's `}.` -- and the
+    eos right after it when the response ends there) or `closing_line` (the whole line holding the
+    last box, from its start, and that eos). Token-aligned through the tokenizer's offsets
+    (`omgrpo.core.spans.answer_char_span`)."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
@@ -215,6 +225,10 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
         )
     if algo.adv_eps < 0:
         raise ValueError(f"{prefix}.adv_eps must be >= 0, got {algo.adv_eps}")
+    if algo.answer_span not in ANSWER_SPANS:
+        raise ValueError(
+            f"unknown {prefix}.answer_span '{algo.answer_span}'; valid: {', '.join(ANSWER_SPANS)}"
+        )
 
 
 @dataclass

@@ -38,6 +38,8 @@ EXPECTED = {
     "om_grpo_no_car_w075": (SV, 0.75, False, False, 8),
     "om_grpo_no_car_format_only": (SV, 0.0, True, False, 8),
     "mv_shuffled": (["majority_vote"], 1.0, False, False, 8),
+    "om_grpo_closing": (SV, 0.0, False, True, 8),
+    "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
 }
 
 
@@ -86,6 +88,8 @@ def test_every_method_composes_at_every_scale(method, experiment):
     assert cfg.car.enable is car
     assert cfg.rollout.n == n  # method presets win over the scale's G
     assert cfg.algorithm.answer_kl_weight == (1.0 if method == "om_grpo_kl_anchor" else None)
+    # only the closing-span presets leave the paper's answer span
+    assert cfg.algorithm.answer_span == ("closing" if method.endswith("_closing") else "boxed")
 
 
 @pytest.mark.parametrize("experiment", PAPER)

@@ -10,6 +10,8 @@ located at the character level by :func:`omgrpo.core.answers.extract_boxed` (the
 * :func:`answer_token_mask` -- boolean mask of the tokens overlapping the answer content.
 * :func:`answer_mask_for_ids` -- both in one call.
 * :func:`span_token_mask` -- the tokens overlapping any character span (token roles).
+* :func:`answer_char_span` / :func:`with_stop_token` -- the span choice (`algorithm.answer_span`,
+  :data:`ANSWER_SPANS`): the paper's box content, or also the tokens that end the answer.
 """
 
 from __future__ import annotations
@@ -19,9 +21,23 @@ from typing import Any
 
 import torch
 
-from omgrpo.core.answers import extract_boxed
+from omgrpo.core.answers import Boxed, extract_boxed
 
-__all__ = ["answer_mask_for_ids", "answer_token_mask", "response_offsets", "span_token_mask"]
+__all__ = [
+    "ANSWER_SPANS",
+    "answer_char_span",
+    "answer_mask_for_ids",
+    "answer_token_mask",
+    "response_offsets",
+    "span_token_mask",
+    "with_stop_token",
+]
+
+ANSWER_SPANS = ("boxed", "closing", "closing_line")
+"""`algorithm.answer_span` values: `boxed` (the paper's span, the content of the last
+``\\boxed{}``), `closing` (also the closing ``}`` -- the character that decides where the answer
+ends -- and the stop token right after it), `closing_line` (the whole line holding the last box,
+from its start, and the stop token right after it)."""
 
 _REPLACEMENT = "\ufffd"  # what decoders emit for an incomplete UTF-8 byte sequence
 
@@ -35,13 +51,51 @@ def _as_offset_tensor(offset_mapping: Any) -> torch.Tensor:
     return offsets.reshape(-1, 2)
 
 
-def answer_token_mask(response_text: str, offset_mapping: Any) -> torch.Tensor:
+def answer_char_span(
+    text: str, span: str = "boxed", boxed: Boxed | None = None
+) -> tuple[int, int] | None:
+    """Character span ``[start, end)`` of the answer in ``text`` (None: no well-formed box).
+
+    `boxed`: the content of the last box. `closing`: the content and the character right after
+    it (the closing ``}``; for a brace-less ``\\boxed 5`` the character that stops it, none at
+    the end of the text). `closing_line`: from the start of the box's line to its end (the next
+    newline, excluded, or the end of the text). ``boxed``: ``extract_boxed(text)``, if known.
+    """
+    if span not in ANSWER_SPANS:
+        raise ValueError(f"unknown answer span '{span}'; valid: {', '.join(ANSWER_SPANS)}")
+    boxed = boxed if boxed is not None else extract_boxed(text)
+    if boxed is None:
+        return None
+    start, end = boxed.span
+    if span == "closing":
+        return start, min(end + 1, len(text))
+    if span == "closing_line":
+        line_end = text.find("\n", end)
+        return text.rfind("\n", 0, start) + 1, len(text) if line_end < 0 else line_end
+    return start, end
+
+
+def with_stop_token(mask: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """``mask`` (..., T) bool plus each stop token (``stop``: eos and other special tokens) that
+    directly follows a marked token: the eos ending a response right after its answer."""
+    after = torch.zeros_like(mask)
+    after[..., 1:] = mask[..., :-1]
+    return mask | (stop.bool() & after)
+
+
+def answer_token_mask(
+    response_text: str, offset_mapping: Any, span: str = "boxed", stop: Any = None
+) -> torch.Tensor:
     """Mark the response tokens that spell the final boxed answer.
 
     Args:
         response_text: the decoded response (the text the offsets index into).
         offset_mapping: (T, 2) character offsets ``(start, end)`` of each response token into
             ``response_text`` -- a list of pairs, a tensor or a numpy array.
+        span: which span (:data:`ANSWER_SPANS`, :func:`answer_char_span`); the default is the
+            paper's and is what the rest of this docstring describes.
+        stop: (T,) bool, the stop tokens (eos); with a span other than `boxed`, the one right
+            after the span's last token is marked too.
 
     Returns:
         (T,) ``torch.bool`` tensor: True on every non-empty token that contains at least one
@@ -50,8 +104,10 @@ def answer_token_mask(response_text: str, offset_mapping: Any) -> torch.Tensor:
         closing ``}`` are False; a token straddling ``{`` and the first answer character is True.
         All False when there is no (well-formed) boxed answer or its content is empty.
     """
-    boxed = extract_boxed(response_text)
-    return span_token_mask(offset_mapping, None if boxed is None else boxed.span)
+    mask = span_token_mask(offset_mapping, answer_char_span(response_text, span))
+    if span != "boxed" and stop is not None:
+        mask = with_stop_token(mask, torch.as_tensor(stop, dtype=torch.bool))
+    return mask
 
 
 def span_token_mask(
@@ -171,14 +227,19 @@ def response_offsets(
 
 
 def answer_mask_for_ids(
-    tokenizer: Any, token_ids: Sequence[int] | torch.Tensor, text: str | None = None
+    tokenizer: Any,
+    token_ids: Sequence[int] | torch.Tensor,
+    text: str | None = None,
+    span: str = "boxed",
 ) -> tuple[torch.Tensor, str]:
     """Answer-token mask of generated ids.
 
     Args:
         tokenizer: an HF fast tokenizer.
-        token_ids: (T,) generated ids (special tokens allowed; they are never answer tokens).
+        token_ids: (T,) generated ids (special tokens allowed; answer tokens only as below).
         text: the response text; defaults to ``tokenizer.decode(token_ids, skip_special_tokens=True)``.
+        span: which span (:data:`ANSWER_SPANS`); the special token right after a `closing` /
+            `closing_line` span (the eos ending the response there) is marked too.
 
     Returns:
         ``(mask, text)``: (T,) bool mask (see :func:`answer_token_mask`) and the response text.
@@ -186,4 +247,7 @@ def answer_mask_for_ids(
     ids = _ids_list(token_ids)
     if text is None:
         text = tokenizer.decode(ids, skip_special_tokens=True)
-    return answer_token_mask(text, response_offsets(tokenizer, ids, text)), text
+    special = frozenset(tokenizer.all_special_ids)
+    stop = [i in special for i in ids]
+    offsets = response_offsets(tokenizer, ids, text, special=special)
+    return answer_token_mask(text, offsets, span, stop), text

@@ -32,7 +32,7 @@ from omgrpo.core.diagnostics import (
 )
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
-from omgrpo.core.spans import response_offsets, span_token_mask
+from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
 from omgrpo.tasks.base import Problem, TaskProbe
 
 __all__ = [
@@ -73,7 +73,7 @@ class Responses:
 
     ids: torch.Tensor  # (B, T) int64 generated token ids, right-padded
     mask: torch.Tensor  # (B, T) 1 on generated tokens (eos included)
-    answer_mask: torch.Tensor  # (B, T) bool: tokens spelling the last \boxed{} content
+    answer_mask: torch.Tensor  # (B, T) bool: the answer span's tokens (`algorithm.answer_span`)
     texts: list[str]  # (B,) decoded responses (special tokens dropped)
     answers: list[str | None]  # (B,) content of the last \boxed{} (None: no answer)
     result_mask: torch.Tensor | None = None  # (B, T) bool: the last computed line's result
@@ -84,7 +84,7 @@ class Responses:
         last, `a op b = c`), `format` (the closing line around the answer, and eos) and `other`
         (the remaining reasoning tokens)."""
         resp = self.mask.bool()
-        result = self.result_mask & resp
+        result = self.result_mask & resp & ~self.answer_mask  # (a closing-line span holds it)
         fmt = self.format_mask & resp & ~result & ~self.answer_mask
         return {"result": result, "format": fmt, "other": resp & ~self.answer_mask & ~result & ~fmt}
 
@@ -136,10 +136,16 @@ def is_correct(answer: str | None, label: str | None, grader: Grader) -> bool | 
 
 
 def decode_responses(
-    tokenizer: Any, ids: torch.Tensor, mask: torch.Tensor, probe: TaskProbe | None = None
+    tokenizer: Any,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    probe: TaskProbe | None = None,
+    span: str = "boxed",
 ) -> Responses:
     """Decode each response, extract its boxed answer and mark the tokens of each role; the
-    `result` role is the task's (`probe.result_span`; no probe: no result tokens)."""
+    `result` role is the task's (`probe.result_span`; no probe: no result tokens). `span`: the
+    answer span (`algorithm.answer_span`, `omgrpo.core.spans.ANSWER_SPANS`; not `boxed`: with
+    the special token, eos, right after it)."""
     rows = [ids[i, : int(n)].tolist() for i, n in enumerate(mask.sum(-1).tolist())]
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
@@ -156,17 +162,21 @@ def decode_responses(
                 tokenizer, row, text, encoding=row_encoding, special=special
             )
         boxed = extract_boxed(text)
-        answer_span.append(no_span if boxed is None else boxed.span)
+        answer_span.append(answer_char_span(text, span, boxed) or no_span)
         result_span.append((probe.result_span(text) if probe else None) or no_span)
         # the closing line, to the end (eos has an empty offset there); none without a box
         closing.append(len(text) + 1 if boxed is None else text.rfind("\n", 0, boxed.span[0]) + 1)
         answers.append(boxed.content if boxed is not None else None)
     offsets = torch.from_numpy(char_offsets)
     real = torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
+    answer_mask = span_token_mask(offsets, torch.tensor(answer_span))
+    if span != "boxed":  # the eos ending the response right after the answer
+        stop = real & torch.isin(ids.cpu(), torch.tensor(sorted(special), dtype=ids.dtype))
+        answer_mask = with_stop_token(answer_mask, stop)
     return Responses(
         ids=ids,
         mask=mask,
-        answer_mask=span_token_mask(offsets, torch.tensor(answer_span)),
+        answer_mask=answer_mask,
         texts=texts,
         answers=answers,
         result_mask=span_token_mask(offsets, torch.tensor(result_span)),
@@ -203,7 +213,8 @@ def score_step(
         probe: the task's hook for the `result` token role (`omgrpo.tasks.task_probe`).
     """
     grader = grader if grader is not None else Grader.from_config(cfg.reward)
-    responses = decode_responses(tokenizer, response_ids, response_mask, probe)
+    span = cfg.algorithm.answer_span
+    responses = decode_responses(tokenizer, response_ids, response_mask, probe, span)
     answers = responses.answers
     G = len(answers) // len(problems)
     coreward = "coreward" in cfg.reward.parts

@@ -14,7 +14,9 @@ from transformers import PreTrainedTokenizerFast
 
 from omgrpo.core.answers import extract_boxed
 from omgrpo.core.spans import (
+    ANSWER_SPANS,
     _incremental_offsets,
+    answer_char_span,
     answer_mask_for_ids,
     answer_token_mask,
     response_offsets,
@@ -317,3 +319,116 @@ def test_batched_span_mask_equals_row_by_row(data):
     batched = span_token_mask(offsets, spans)
     for i in range(rows):
         assert torch.equal(batched[i], span_token_mask(offsets[i], tuple(spans[i].tolist())))
+
+
+# ----------------------------------------------------------------------------------------------
+# The answer span as a choice (`algorithm.answer_span`): boxed (the paper's) / closing /
+# closing_line, hand-computed on the shipped toy BPE, the char tokenizer and a BPE whose `}`
+# merges with its neighbours
+# ----------------------------------------------------------------------------------------------
+
+
+def _paper_answer_mask(text, offsets):
+    """The answer mask as it was before the span choice (the paper's span, verbatim)."""
+    boxed = extract_boxed(text)
+    return span_token_mask(offsets, None if boxed is None else boxed.span)
+
+
+@pytest.fixture(scope="module")
+def shipped_tok():
+    """The toy presets' tokenizer as shipped with the toy base (omgrpo/bases/)."""
+    from transformers import AutoTokenizer
+
+    from omgrpo.models.bases import SHIPPED_DIR
+
+    return AutoTokenizer.from_pretrained(sorted(SHIPPED_DIR.glob("toy-base-*"))[0])
+
+
+def _marked(tok, ids, span):
+    mask, _ = answer_mask_for_ids(tok, ids, span=span)
+    return [tok.decode([i]) for i, m in zip(ids, mask.tolist()) if m]
+
+
+def test_answer_char_span_hand_computed():
+    text = "3+4=17\nSo the answer is \\boxed{17}."
+    s = text.index("{17}") + 1
+    assert answer_char_span(text) == (s, s + 2)  # `17`
+    assert answer_char_span(text, "closing") == (s, s + 3)  # `17}`
+    assert answer_char_span(text, "closing_line") == (7, len(text))  # `So ... }.`
+    two_lines = "So \\boxed{7}.\nDone"
+    assert answer_char_span(two_lines, "closing_line") == (0, two_lines.index("\n"))
+    # brace-less: the character that stops the answer; at the end of the text there is none
+    assert answer_char_span("\\boxed 5 ok", "closing") == (7, 9)
+    assert answer_char_span("\\boxed 5", "closing") == (7, 8)
+    for span in ANSWER_SPANS:
+        assert answer_char_span("no box", span) is None
+        assert answer_char_span("cut \\boxed{1", span) is None
+    with pytest.raises(ValueError, match="unknown answer span 'last'"):
+        answer_char_span(text, "last")
+
+
+def test_shipped_toy_bpe_closing_masks_the_brace_token_and_eos(shipped_tok):
+    """The toy BPE writes `\\boxed{17}.` as ` \\`, `boxed`, `{`, `1`, `7`, `}.`, eos."""
+    tok = shipped_tok
+    text = "3+4=17\nSo the answer is \\boxed{17}."
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    pieces = [tok.decode([i]) for i in ids]
+    assert pieces[-7:] == [" \\", "boxed", "{", "1", "7", "}.", "<|im_end|>"]
+    assert _marked(tok, ids, "boxed") == ["1", "7"]
+    assert _marked(tok, ids, "closing") == ["1", "7", "}.", "<|im_end|>"]
+    line = ["So", " the", " answer", " is", " \\", "boxed", "{", "1", "7", "}.", "<|im_end|>"]
+    assert _marked(tok, ids, "closing_line") == line
+    # the response goes on after the box: its eos decides nothing about the answer
+    more = [*tok.encode(text + " So", add_special_tokens=False), tok.eos_token_id]
+    assert _marked(tok, more, "closing") == ["1", "7", "}."]
+    # the whole line, to the end of the response: its eos too
+    assert (
+        "".join(_marked(tok, more, "closing_line")) == "So the answer is \\boxed{17}. So<|im_end|>"
+    )
+
+
+def test_char_closing_masks_the_brace_and_only_an_eos_right_after_it(char_tok):
+    tok = char_tok
+    ended = [*tok.encode("x \\boxed{5}", add_special_tokens=False), tok.eos_token_id]
+    assert _marked(tok, ended, "closing") == ["5", "}", "<|im_end|>"]
+    dot = [*tok.encode("x \\boxed{5}.", add_special_tokens=False), tok.eos_token_id]
+    assert _marked(tok, dot, "closing") == ["5", "}"]  # `.` and eos are format
+    assert "".join(_marked(tok, dot, "closing_line")) == "x \\boxed{5}.<|im_end|>"
+    # padding after the eos is never the answer; one stop token at most
+    padded = [*ended, tok.pad_token_id, tok.pad_token_id]
+    mask, _ = answer_mask_for_ids(tok, padded, span="closing")
+    assert mask.tolist()[-5:] == [True, True, True, False, False]
+
+
+def test_merged_brace_token_is_masked_whole(bpe_tok):
+    """A byte BPE without the split regex merges `}` with its neighbours: the whole token of
+    the closing brace is the answer's under `closing` (and the eos right after it)."""
+    tok = bpe_tok
+    text = "Thus x = \\boxed{\\frac{1}{2}}. Done."
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    pieces = [tok.decode([i]) for i in ids]
+    assert pieces == ["Thus x = \\boxed{\\frac{", "1", "}{2", "}}. Done.", "<|im_end|>"]
+    # the merged `}}. Done.` holds the content's last `}`: already the paper's answer token
+    assert _marked(tok, ids, "boxed") == pieces[:4]
+    assert _marked(tok, ids, "closing") == pieces
+    text = "so 3+4=7, the answer is \\boxed{12}."
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    pieces = [tok.decode([i]) for i in ids]
+    assert pieces[-3:] == [", the answer is \\boxed{12", "}.", "<|im_end|>"]
+    assert _marked(tok, ids, "boxed") == [", the answer is \\boxed{12"]
+    assert _marked(tok, ids, "closing") == pieces[-3:]
+
+
+@pytest.mark.parametrize("which", ["char_tok", "bpe_tok", "bpe_regex_tok", "shipped_tok"])
+def test_default_span_is_the_papers_mask_bit_for_bit(request, which):
+    tok = request.getfixturevalue(which)
+    for text in [*TEXTS, "no box", "cut \\boxed{1", "3+4=17\nSo the answer is \\boxed{17}."]:
+        ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id, tok.pad_token_id]
+        offsets = response_offsets(tok, ids)
+        old = _paper_answer_mask(text, offsets)
+        assert torch.equal(answer_mask_for_ids(tok, ids)[0], old)
+        assert torch.equal(answer_mask_for_ids(tok, ids, span="boxed")[0], old)
+        assert torch.equal(answer_token_mask(text, offsets), old)
+        closing = answer_mask_for_ids(tok, ids, span="closing")[0]
+        assert torch.equal(closing & old, old)  # closing only adds tokens
+        assert old.any() == (extract_boxed(text) is not None)

@@ -186,3 +186,75 @@ def test_guess_and_majority_diagnostics_hand_computed(tok):
     assert "answers/consistency" not in step_metrics(batch, LoopState(), 0.75)
     # without a probe there is no `result` role (the task hook defines it)
     assert not decode_responses(tok, ids, mask).result_mask.any()
+
+
+def with_eos(tok, texts):
+    """Right-padded ids of `texts`, each ended by eos (as generated), and their mask."""
+    rows = [
+        torch.tensor([*tok.encode(t, add_special_tokens=False), tok.eos_token_id]) for t in texts
+    ]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    return ids, mask
+
+
+SPAN_TEXTS = [
+    "3+4=7\nSo the answer is \\boxed{7}.",
+    "",
+    "no box here 1+1=2",
+    "\\boxed{1} then \\boxed{22}",  # ends at the box: its eos is the answer's under closing
+    "\\boxed{unclosed",
+    "12*3=36\n36-4=32\nSo the answer is \\boxed{32}. Done",
+]
+
+
+@pytest.mark.parametrize("span", ["boxed", "closing", "closing_line"])
+def test_answer_span_choice_batched_equals_per_row_and_roles_partition(tok, span):
+    ids, mask = with_eos(tok, SPAN_TEXTS)
+    r = decode_responses(tok, ids, mask, ToyProbe(), span=span)
+    for i, text in enumerate(SPAN_TEXTS):
+        n = len(text) + 1  # with its eos
+        expected, _ = answer_mask_for_ids(tok, ids[i, :n], span=span)
+        assert torch.equal(r.answer_mask[i, :n], expected)
+        assert not r.answer_mask[i, n:].any()
+    roles = r.role_masks()
+    total = sum(m.long() for m in [r.answer_mask, *roles.values()])
+    assert torch.equal(total.bool(), mask.bool()) and int(total.max()) == 1
+
+
+def test_closing_span_hand_computed_and_the_default_unchanged(tok):
+    """Char tokenizer: `closing` adds the closing brace and the eos right after it; the
+    default is the paper's span, the box content, as before the choice."""
+    ids, mask = with_eos(tok, SPAN_TEXTS)
+
+    def text(i, m):  # the marked characters of row i, `$` standing for its eos
+        return "".join((SPAN_TEXTS[i] + "$")[j] for j in m[i].nonzero().flatten().tolist())
+
+    default = decode_responses(tok, ids, mask, ToyProbe())
+    closing = decode_responses(tok, ids, mask, ToyProbe(), span="closing")
+    line = decode_responses(tok, ids, mask, ToyProbe(), span="closing_line")
+    assert [text(i, default.answer_mask) for i in range(6)] == ["7", "", "", "22", "", "32"]
+    assert [text(i, closing.answer_mask) for i in range(6)] == ["7}", "", "", "22}$", "", "32}"]
+    assert text(0, line.answer_mask) == "So the answer is \\boxed{7}.$"
+    assert text(5, line.answer_mask) == "So the answer is \\boxed{32}. Done$"
+    # the role split follows: the brace (and an eos right after it) leave `format`
+    assert text(0, closing.role_masks()["format"]) == "So the answer is \\boxed{.$"
+    assert text(3, closing.role_masks()["format"]) == "\\boxed{1} then \\boxed{"
+    for i, t in enumerate(SPAN_TEXTS):  # the default equals the paper's mask as it was built
+        boxed = extract_boxed(t)
+        span = None if boxed is None else boxed.span
+        old = span_token_mask(response_offsets(tok, ids[i, : len(t) + 1], t), span)
+        assert torch.equal(default.answer_mask[i, : len(t) + 1], old)
+
+
+def test_score_step_reads_the_span_from_the_algorithm_section(tok):
+    ids, mask = with_eos(tok, TEXTS)
+    for method, extra in [("om_grpo_no_car", 0), ("om_grpo_no_car_closing", 2)]:
+        batch = score_step(tok, ids, mask, PROMPTS, compose([f"method={method}"]))
+        for row, t in enumerate(TEXTS):  # the box content (+ `}` and eos: every text ends there)
+            expected = list(range(t.rindex("{") + 1, t.rindex("}") + extra)) if "{" in t else []
+            assert batch.responses.answer_mask[row].nonzero().flatten().tolist() == expected
+    with pytest.raises(ValueError, match="unknown answer span"):
+        cfg = compose(["method=om_grpo_no_car"])
+        cfg.algorithm.answer_span = "last"
+        score_step(tok, ids, mask, PROMPTS, cfg)

@@ -84,8 +84,9 @@ class OmgrpoVerlConfig:
     run: VerlRunSection = field(default_factory=VerlRunSection)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    """The native trainer's section; verl reads `answer_weight`, `format_only` and `adv_eps`
-    (the others are verl's actor keys, `VERL_ACTOR_KEYS`, and must keep their defaults)."""
+    """The native trainer's section; verl reads `answer_weight`, `answer_span` (the agent loop's
+    answer masks), `format_only` and `adv_eps` (the others are verl's actor keys,
+    `VERL_ACTOR_KEYS`, and must keep their defaults)."""
     rollout: VerlRolloutSection = field(default_factory=VerlRolloutSection)
     car: CarConfig = field(default_factory=CarConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)

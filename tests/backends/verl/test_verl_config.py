@@ -116,6 +116,11 @@ def test_unsupported_or_bad_values_fail_with_the_key():
     assert cfg.omgrpo.algorithm.answer_weight == 1.5  # as the native trainer accepts
     with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.agg 'mean'"):
         compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.agg=mean"])
+    with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.answer_span 'last'"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.answer_span=last"])
+    # the agent loop builds its answer masks with the section's span (the method preset's)
+    closing = compose_verl("paper_qwen3_1p7b", ["method=om_grpo_no_car_closing"])
+    assert closing.omgrpo.algorithm.answer_span == "closing"
     # an algorithm key verl holds in its own actor config would be ignored: say where it is
     with pytest.raises(ValueError, match=r"kl_coef=0.1 .*actor_rollout_ref\.actor\.kl_loss_coef"):
         compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.kl_coef=0.1"])

@@ -40,7 +40,7 @@ from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
 from omgrpo.config import compose
 from omgrpo.core.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult, car_text, cut_solutions
 from omgrpo.core.losses import answer_token_advantages
-from omgrpo.core.step import LoopState, extract_answer, score_step
+from omgrpo.core.step import LoopState, decode_responses, extract_answer, score_step
 from omgrpo.core.step import step_metrics as native_step_metrics
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.tasks import Problem
@@ -458,3 +458,22 @@ def test_car_prompt_ids_are_the_native_prompt_after_the_rollout_prompt(tok):
     out, cut = al.car_prompt_ids(tok, prompt, ids(tok, s1), ids(tok, s2), 10, 4096, 8)
     texts, flags = cut_solutions(tok, [s1, s2], 10)
     assert tok.decode(out) == PROMPT + car_text("", *texts) and cut == tuple(flags) == (True, True)
+
+
+def test_agent_loop_answer_masks_follow_the_answer_span(tok, monkeypatch):
+    """`omgrpo.algorithm.answer_span=closing`: the masks the worker hands verl are the native
+    trainer's (`decode_responses` on the same responses), the brace and eos included."""
+    worker, handed = make_worker(tok, monkeypatch, car=False)
+    worker.omgrpo.algorithm.answer_span = "closing"
+    texts = [*RESPONSES, "no answer"]
+    outs = asyncio.run(run_group(worker, tok, texts))
+    rows = [torch.tensor(o.response_ids) for o in outs]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    native = decode_responses(tok, ids, (ids != 0).long(), span="closing").answer_mask
+    for k, (text, out) in enumerate(zip(texts, outs)):
+        mask = handed[k][1][ANSWER_MASK_KEY]
+        assert torch.equal(mask.bool(), native[k, : len(out.response_ids)])
+        # one token per character: the answer digit, the closing brace and the eos after it
+        digit = text.rindex("{") + 1 if "{" in text else None
+        expected = [] if digit is None else [digit, digit + 1, len(text)]
+        assert mask.nonzero().flatten().tolist() == expected
