@@ -47,6 +47,8 @@ from typing import Any
 
 import yaml
 
+from omgrpo.tracking.store import DONE_STATES
+
 __all__ = ["PlannedRun", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
 
 FAILED_STATE = "failed"
@@ -194,7 +196,6 @@ def plan_runs(
     (failed runs are skipped unless `retry_failed`)."""
     from omgrpo.config import compose
     from omgrpo.tracking import default_mlflow_uri, resolve_tracking_config
-    from omgrpo.tracking.store import DONE_STATES
 
     path = Path(path)
     sweep = load_sweep(path)
