@@ -8,6 +8,10 @@ value in place."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -78,3 +82,40 @@ def test_wandb_agent_command_composes_the_intended_config(path, tmp_path, monkey
         for key, value in combo.items():  # config keys hold the value; groups pick presets
             got = OmegaConf.select(OmegaConf.create(parsed), key, default=MISSING)
             assert got is MISSING or got == value, (key, got, value)
+
+
+@pytest.mark.slow
+def test_a_rerun_of_the_agent_command_continues_then_skips(tiny_overrides, tmp_path, monkeypatch):
+    """A W&B agent that reruns a combination (preempted, restarted): the run that was cut off
+    continues from its checkpoint with its identity, and a finished one is skipped, exit 0."""
+    sweep = load_sweep(SWEEPS / "main_table.yaml")
+    combo = {**_combinations(sweep)[0], "run.root": str(tmp_path / "runs")}
+    for override in [*tiny_overrides, "trainer.steps=3", "trainer.save_every=1"]:
+        key, value = override.split("=", 1)
+        if key != "run.root":
+            combo[key] = yaml.safe_load(value)
+    command = _agent_command(sweep, combo, tmp_path, monkeypatch)
+    run_dir = tmp_path / "runs" / compose(command[5:]).run.name
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    env.pop("WANDB_SERVICE", None)
+
+    def agent_run() -> subprocess.CompletedProcess:
+        cmd = [sys.executable, *command[2:]]  # the agent's `python`, this interpreter
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+    first = agent_run()
+    assert first.returncode == 0, first.stderr[-3000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    identity = (run_dir / "identity.json").read_text()
+    assert status["state"] == "finished" and status["step"] == 3
+    # cut off after step 2 (its checkpoint kept, step 3 lost): the rerun continues it
+    shutil.rmtree(run_dir / "checkpoints" / "step_000003")
+    (run_dir / "status.json").write_text(json.dumps({**status, "state": "killed", "step": 2}))
+    second = agent_run()
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resuming {run_dir} from step 2" in second.stdout
+    assert (run_dir / "identity.json").read_text() == identity
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    third = agent_run()
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"skipping {run_dir}: it already finished at step 3" in third.stdout
