@@ -32,8 +32,11 @@ class RunConfig:
     """Run directory name under `run.root` (`<experiment>__<variant>__s<seed>`)."""
     root: str = "runs"
     """Folder holding one sub-folder per run (the local run store)."""
-    resume: bool = False
-    """Continue from the newest checkpoint in the run directory (refuses if the config differs)."""
+    resume: bool | str = "auto"
+    """`auto`: continue an unfinished run in the run directory from its newest checkpoint, start
+    one where there is none, skip a finished (or collapse-stopped) one; `true`: continue (or
+    start) in any case; `false`: start, refusing a directory that holds a run. A resume refuses
+    a checkpoint written under a config that differs in a setting that matters."""
     tags: list[str] = field(default_factory=list)
     """Free-form tags recorded with the run."""
 

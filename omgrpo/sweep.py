@@ -16,7 +16,9 @@ subprocess:
 - a run whose `<run.root>/<run.name>/status.json` says `finished` or `collapsed` is skipped; so
   is one that says `failed` (it raised: the error is in status.json and the log; rerunning
   would most likely fail again) unless `--retry-failed`; any other partially written run
-  (killed, or still `running` after a kill -9) is re-run with `run.resume=true`;
+  (killed, or still `running` after a kill -9) is re-run with `run.resume=auto` (the default:
+  the trainer continues it from its newest checkpoint, and would skip it too had it finished
+  meanwhile, as it does a W&B agent's rerun);
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
 - `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
   MLflow store is created once beforehand (parallel first migrations would race) and each toy
@@ -45,9 +47,10 @@ from typing import Any
 
 import yaml
 
+from omgrpo.tracking.store import DONE_STATES
+
 __all__ = ["PlannedRun", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
 
-DONE_STATES = {"finished", "collapsed"}
 FAILED_STATE = "failed"
 SCALAR_TYPES = (str, int, float, bool)
 
@@ -236,7 +239,7 @@ def plan_runs(
             state = "skip"
         elif (root / name).exists():
             state = "resume"
-            overrides = merge_overrides(combo, defaults, ["run.resume=true"], extra)
+            overrides = merge_overrides(combo, defaults, ["run.resume=auto"], extra)
         else:
             state = "new"
         runs.append(PlannedRun(name, root, overrides, state, status, uri, cfg))

@@ -182,8 +182,8 @@ def test_finished_runs_are_skipped_and_partial_ones_resumed(tmp_path):
     (tmp_path / runs[2].name / "status.json").write_text('{"state": "fini')  # half written
     again = plan_runs(SWEEPS / "ttt.yaml", [f"run.root={tmp_path}"])
     assert [r.state for r in again] == ["skip", "resume", "resume", "new", "new", "new"]
-    assert "run.resume=true" in again[1].overrides
-    assert "run.resume=true" not in again[3].overrides
+    assert "run.resume=auto" in again[1].overrides
+    assert "run.resume=auto" not in again[3].overrides
 
 
 def _tiny_sweep(tmp_path: Path, tiny_overrides: list[str], steps: int = 2) -> Path:
@@ -237,7 +237,7 @@ def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys
     assert "1 done, 3 skipped, 0 failed" in out.out
     assert "resuming " + names[0] in out.err
     assert json.loads(status.read_text())["state"] == "finished"
-    assert "run.resume=true" in (root / f"{names[0]}.log").read_text()
+    assert "run.resume=auto" in (root / f"{names[0]}.log").read_text()
 
 
 @pytest.mark.slow

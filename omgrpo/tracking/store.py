@@ -34,6 +34,12 @@ import yaml
 
 _ATTEMPT: ContextVar[str | None] = ContextVar("omgrpo_run_attempt", default=None)
 
+DONE_STATES = ("finished", "collapsed")
+"""Statuses of a run that ended on its own (its last step, or a collapse stop): `run.resume=auto`
+and `omgrpo sweep` skip such a run instead of training it again."""
+RESUME_CHOICES = (True, False, "auto")
+"""The values of `run.resume` (`start_mode`)."""
+
 
 class RunStore:
     def __init__(self, run_dir: str | Path):
@@ -55,6 +61,25 @@ class RunStore:
 
     def has_progress(self) -> bool:
         return self.metrics_path.exists() or self.checkpoints_dir.exists()
+
+    def start_mode(self, resume: bool | str) -> str:
+        """What a training run started with `run.resume=resume` does with this run directory:
+        `new` (nothing trained here yet), `resume` (continue its newest intact checkpoint;
+        without one the run starts over), or `skip` (`auto` and the run already ended on its
+        own, `DONE_STATES`). `false` on a directory that holds a run raises FileExistsError."""
+        if resume not in RESUME_CHOICES:
+            raise ValueError(f"run.resume={resume!r}: use auto, true or false")
+        if not self.has_progress():
+            return "new"
+        if resume is False:
+            raise FileExistsError(
+                f"{self.dir} already holds a run; pass run.resume=auto (continue it unless it "
+                "finished) or run.resume=true to continue it, or choose another run.name / "
+                "run.root"
+            )
+        if resume == "auto" and self.read_status().get("state") in DONE_STATES:
+            return "skip"
+        return "resume"
 
     # -- metrics --------------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:

@@ -22,6 +22,25 @@ def main(overrides: list[str]) -> int:
         run_dir = train(cfg)
         print(f"run finished: {run_dir}  (metrics.jsonl, rollouts/, checkpoints/)")
 
+    if (skip := _finished(overrides)) is not None:  # before Hydra writes <run dir>/.hydra/
+        print(skip)
+        return 0
     sys.argv = ["omgrpo-train", *overrides]
     app()
     return 0
+
+
+def _finished(overrides: list[str]) -> str | None:
+    """The message for a run that `run.resume=auto` skips (`trainer.skip_message`), checked
+    before Hydra starts so that a skipped run's files stay untouched; None otherwise, and for a
+    command line with Hydra flags (`--cfg job`, `-m`) or one that does not compose (Hydra then
+    runs and reports it)."""
+    if any(o.startswith("-") for o in overrides):
+        return None
+    from omgrpo.backends.native.trainer import skip_message
+    from omgrpo.config import compose
+
+    try:
+        return skip_message(compose(overrides))
+    except Exception:
+        return None

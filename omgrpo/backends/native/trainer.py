@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig
 
 from omgrpo.backends.native.checkpoint import (
+    config_diff,
     load_latest_intact_checkpoint,
     save_checkpoint,
     set_rng_state,
@@ -153,8 +154,33 @@ def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
     """Train as configured; returns the run directory. `stop_after` ends the loop after that
     step as if the process were killed (used to test resume). An exception marks the run
     `failed` in status.json, with the error."""
-    with RunStore(Path(cfg.run.root) / cfg.run.name).recording_failures():
+    store = RunStore(Path(cfg.run.root) / cfg.run.name)
+    if (skip := skip_message(cfg)) is not None:  # before anything is written or loaded
+        print(skip)
+        return store.dir
+    with store.recording_failures():
         return _train(cfg, stop_after)
+
+
+def skip_message(cfg: DictConfig) -> str | None:
+    """Why `run.resume=auto` leaves the run of `cfg` alone (it ended on its own), or None when
+    the run is to train. Raises if the run directory holds a finished run of another config (a
+    changed setting must not pass for that run), or a run and `run.resume=false`."""
+    store = RunStore(Path(cfg.run.root) / cfg.run.name)
+    if store.start_mode(cfg.run.resume) != "skip":
+        return None
+    diff = config_diff(store.read_config(), to_container(cfg))
+    if diff:
+        raise ValueError(
+            f"{store.dir} holds a finished run of another config:\n  "
+            + "\n  ".join(diff)
+            + "\nStart a new run (another run.name) or restore these settings."
+        )
+    status = store.read_status()
+    return (
+        f"skipping {store.dir}: it already {status['state']} at step {status.get('step')} "
+        "(run.resume=auto); choose another run.name to train it again"
+    )
 
 
 def _train(cfg: DictConfig, stop_after: int | None) -> Path:
@@ -343,11 +369,7 @@ def setup(cfg: DictConfig) -> Run:
     config = to_container(cfg)
     check_config(cfg)
     store = RunStore(Path(cfg.run.root) / cfg.run.name)
-    if store.has_progress() and not cfg.run.resume:
-        raise FileExistsError(
-            f"{store.dir} already holds a run; pass run.resume=true to continue it, or choose "
-            "another run.name / run.root"
-        )
+    store.start_mode(cfg.run.resume)  # refuses an existing run with run.resume=false
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     Grader.from_config(cfg.reward).warm_up()  # imports sympy / math-verify while models load

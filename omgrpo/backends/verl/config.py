@@ -47,9 +47,10 @@ class VerlRunSection:
     trainer.experiment_name (`<experiment>__<variant>__s<seed>`, as the native run name)."""
     variant: str = "om_grpo"
     """Method or ablation (set by the method preset)."""
-    resume: bool = False
-    """As the native `run.resume`: true continues the newest checkpoint in the run's checkpoint
-    folder (verl `trainer.resume_mode=auto`; or `resume_path` with `trainer.resume_from_path`);
+    resume: bool | str = "auto"
+    """As the native `run.resume`: `auto` (the default) and true continue the newest checkpoint
+    in the run's checkpoint folder, or start where there is none (verl
+    `trainer.resume_mode=auto`; true also allows `resume_path` with `trainer.resume_from_path`);
     false starts from scratch (`disable`), and the launch refuses a folder that already holds
     a checkpoint (RESUME_MODES)."""
 
@@ -92,9 +93,10 @@ class OmgrpoVerlConfig:
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
 
 
-RESUME_MODES: dict[bool, tuple[str, ...]] = {
+RESUME_MODES: dict[bool | str, tuple[str, ...]] = {
     False: ("disable",),
     True: ("auto", "resume_path"),
+    "auto": ("auto",),
 }
 """`omgrpo.run.resume` -> the verl `trainer.resume_mode`s that mean the same; the first is set
 unless trainer.resume_mode is given on the command line. verl's own default, `auto`, would
@@ -165,7 +167,7 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
     with open_dict(cfg):
         cfg.pop("hydra", None)
         if not _given(list(overrides or []), "trainer.resume_mode"):
-            cfg.trainer.resume_mode = RESUME_MODES[bool(cfg.omgrpo.run.resume)][0]
+            cfg.trainer.resume_mode = _resume_modes(cfg.omgrpo.run.resume)[0]
     validate_section(cfg)
     return cfg
 
@@ -303,12 +305,20 @@ def _check_seed_and_resume(cfg: DictConfig, om: DictConfig) -> None:
             "trainer.experiment_name's __s${omgrpo.seed} (experiments/verl/paper.yaml)"
         )
     mode = OmegaConf.select(cfg, "trainer.resume_mode")
-    allowed = RESUME_MODES[bool(om.run.resume)]
+    allowed = _resume_modes(om.run.resume)
     if mode not in allowed:
+        fits = [str(k).lower() for k, modes in RESUME_MODES.items() if mode in modes]
         raise ValueError(
-            f"trainer.resume_mode={mode} with omgrpo.run.resume={om.run.resume}: use "
-            f"{' or '.join(allowed)} (or set run.resume={str(not om.run.resume).lower()})"
+            f"trainer.resume_mode={mode} with omgrpo.run.resume={str(om.run.resume).lower()}: "
+            f"use {' or '.join(allowed)} (or set run.resume={' or '.join(fits) or 'true'})"
         )
+
+
+def _resume_modes(resume: bool | str) -> tuple[str, ...]:
+    """RESUME_MODES[resume], with a clear error for a value that is not auto / true / false."""
+    if resume not in RESUME_MODES:
+        raise ValueError(f"omgrpo.run.resume={resume!r}: use auto, true or false")
+    return RESUME_MODES[resume]
 
 
 def missing_keys(cfg: DictConfig) -> list[str]:

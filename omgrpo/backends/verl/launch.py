@@ -26,7 +26,8 @@ USAGE = """usage: omgrpo train backend=verl experiment=<preset> [overrides...] [
 presets (experiments/verl/): {presets}
 overrides: verl keys (data.train_files=..., trainer.n_gpus_per_node=4, ...), omgrpo.* keys
   (omgrpo.algorithm.answer_weight=0.25, omgrpo.car.enable=false, ...), method=<method preset>,
-  seed=N (run name, checkpoint folder, verl's seeds) and run.resume=true (trainer.resume_mode)
+  seed=N (run name, checkpoint folder, verl's seeds) and run.resume=auto|true|false
+  (trainer.resume_mode)
 --dry-run: print the composed config (resolved YAML) and exit without starting Ray
 """
 
@@ -72,7 +73,7 @@ def check_checkpoint_folder(cfg: DictConfig) -> None:
     latest = find_latest_ckpt_path(str(folder))
     if latest is not None:
         raise FileExistsError(
-            f"{folder} already holds a run (checkpoint {latest}); pass run.resume=true to "
+            f"{folder} already holds a run (checkpoint {latest}); pass run.resume=auto to "
             "continue it, or another seed / omgrpo.run.variant / trainer.default_local_dir"
         )
 

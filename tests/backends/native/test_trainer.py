@@ -43,10 +43,10 @@ def test_resume_refuses_a_checkpoint_from_another_config(tiny_overrides):
         train(compose([*common, "run.resume=true", "algorithm.kl_coef=0.1"]))
 
 
-def test_refuses_to_overwrite_a_run_without_resume(tiny_overrides):
-    cfg = compose([*tiny_overrides, "trainer.steps=1", "run.name=y"])
+def test_refuses_to_overwrite_a_run_with_resume_false(tiny_overrides):
+    cfg = compose([*tiny_overrides, "trainer.steps=1", "run.name=y", "run.resume=false"])
     train(cfg)
-    with pytest.raises(FileExistsError, match=r"run\.resume=true"):
+    with pytest.raises(FileExistsError, match=r"run\.resume=auto"):
         train(cfg)
 
 

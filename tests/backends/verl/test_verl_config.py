@@ -242,15 +242,19 @@ def test_run_resume_sets_verls_resume_mode():
     def mode(*args):
         return compose_verl("paper_qwen3_1p7b", [*LAUNCH, *args]).trainer.resume_mode
 
-    assert mode() == "disable"  # verl's own default, auto, would continue any run there
+    assert mode() == "auto"  # run.resume=auto, the default: continue the run there, if any
+    assert mode("run.resume=auto") == "auto"
+    assert mode("run.resume=false") == "disable"
     assert mode("run.resume=true") == "auto"
     assert mode("omgrpo.run.resume=true") == "auto"
     path = "trainer.resume_from_path=checkpoints/x/global_step_5"
     assert mode("run.resume=true", "trainer.resume_mode=resume_path", path) == "resume_path"
-    with pytest.raises(ValueError, match=r"trainer\.resume_mode=auto with omgrpo\.run\.resume"):
-        mode("trainer.resume_mode=auto")
+    with pytest.raises(ValueError, match=r"resume_mode=auto with omgrpo\.run\.resume=false"):
+        mode("run.resume=false", "trainer.resume_mode=auto")
     with pytest.raises(ValueError, match=r"trainer\.resume_mode=disable with omgrpo\.run\.resume"):
         mode("run.resume=true", "trainer.resume_mode=disable")
+    with pytest.raises(ValueError, match=r"run\.resume='sometimes': use auto, true or false"):
+        mode("run.resume=sometimes")
 
 
 def test_a_fresh_launch_refuses_a_used_checkpoint_folder(tmp_path, monkeypatch, capsys):
@@ -265,12 +269,13 @@ def test_a_fresh_launch_refuses_a_used_checkpoint_folder(tmp_path, monkeypatch, 
     used = folder / "paper_qwen3_1p7b__om_grpo__s0"
     (used / "global_step_5").mkdir(parents=True)
     (used / "latest_checkpointed_iteration.txt").write_text("5")
-    assert cli.main(args) == 2 and calls == []
+    assert cli.main([*args, "run.resume=false"]) == 2 and calls == []
     err = capsys.readouterr().err
-    assert f"{used} already holds a run" in err and "run.resume=true" in err
-    assert cli.main([*args, "seed=1"]) == 0  # seed 1: its own, empty folder
+    assert f"{used} already holds a run" in err and "run.resume=auto" in err
+    assert cli.main([*args, "seed=1", "run.resume=false"]) == 0  # seed 1: its own, empty folder
     assert cli.main([*args, "run.resume=true"]) == 0  # continues seed 0's checkpoint
-    assert [c.trainer.resume_mode for c in calls] == ["disable", "auto"]
+    assert cli.main(args) == 0  # so does the default, run.resume=auto
+    assert [c.trainer.resume_mode for c in calls] == ["disable", "auto", "auto"]
 
 
 def test_trainer_stays_in_sync_mode_and_installs_the_loss():
