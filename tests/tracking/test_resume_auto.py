@@ -12,27 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_values import logged_values
 
 from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
 from omgrpo.tracking.store import RunStore
-
-VOLATILE = ("time/", "mem/", "perf/")
-
-
-def _values(run_dir: Path) -> dict[int, dict[str, float]]:
-    """step -> non-timing numeric metrics of a run store (each step once)."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        step = row.pop("train/step")
-        assert step not in out, f"step {step} twice in {run_dir}"
-        out[step] = {
-            k: float(v)
-            for k, v in row.items()
-            if not k.startswith(VOLATILE) and isinstance(v, int | float) and v == v
-        }
-    return out
 
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, bytes]]:
@@ -90,12 +74,12 @@ def test_auto_resumes_an_unfinished_run_bit_exact_with_its_identity(tiny_overrid
     identity = (run_dir / "identity.json").read_text()
     assert train(compose([*common, "run.name=cut"])) == run_dir
     assert (run_dir / "identity.json").read_text() == identity
-    assert _values(run_dir) == _values(reference)  # resumed from step 2, exactly
+    assert logged_values(run_dir) == logged_values(reference)  # resumed from step 2, exactly
     assert RunStore(run_dir).read_status()["state"] == "finished"
     # run.resume=true does the same
     again = train(compose([*common, "run.name=cut_true"]), stop_after=3)
     train(compose([*common, "run.name=cut_true", "run.resume=true"]))
-    assert _values(again) == _values(run_dir)
+    assert logged_values(again) == logged_values(run_dir)
 
 
 @pytest.mark.slow
@@ -105,7 +89,7 @@ def test_auto_skips_a_finished_run_without_touching_it(tiny_overrides, tmp_path)
     assert not run_dir.exists()
     assert train(compose(common)) == run_dir  # a new run: the directory did not exist
     assert RunStore(run_dir).read_status()["state"] == "finished"
-    assert sorted(_values(run_dir)) == [0, 1, 2]
+    assert sorted(logged_values(run_dir)) == [0, 1, 2]
     before = _snapshot(run_dir)
     assert "identity.json" in before and "checkpoints/step_000002/state.pt" in before
 

@@ -19,6 +19,7 @@ import pytest
 import wandb_records  # tests/ is on sys.path (pytest's rootdir conftest)
 import yaml
 from mlflow.tracking import MlflowClient
+from run_values import logged_values
 
 from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
@@ -28,23 +29,6 @@ from omgrpo.sweep import plan_runs, status_if_readable
 from omgrpo.tracking.store import RunStore
 
 pytestmark = pytest.mark.slow
-
-VOLATILE = ("time/", "mem/", "perf/")
-
-
-def _values(run_dir: Path) -> dict[int, dict[str, float]]:
-    """step -> non-timing numeric metrics of a run store."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        step = row.pop("train/step")
-        assert step not in out, f"step {step} twice in {run_dir}"
-        out[step] = {
-            k: float(v)
-            for k, v in row.items()
-            if not k.startswith(VOLATILE) and isinstance(v, int | float) and v == v
-        }
-    return out
 
 
 def _train_cli(overrides: list[str]) -> subprocess.Popen:
@@ -70,7 +54,7 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     reference = train(
         compose([*common, "run.name=reference", "tracking.mlflow=false", "tracking.wandb=false"])
     )
-    expected = _values(reference)
+    expected = logged_values(reference)
     assert sorted(expected) == list(range(9))
 
     run_dir = root / "killed"
@@ -92,7 +76,7 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     out = resumed.communicate(timeout=600)[0].decode()
     assert resumed.returncode == 0, out[-3000:]
     assert "resuming" in out and "from step 4" in out
-    got = _values(run_dir)
+    got = logged_values(run_dir)
     assert got == expected  # the local store, as before
 
     # MLflow: one active run of this directory; each step once, with the resumed values.
@@ -159,7 +143,7 @@ def test_truncated_latest_checkpoint_is_named_and_resume_falls_back(tiny_overrid
         train(compose([*common, "run.resume=true"]))
     named = [str(w.message) for w in caught if str(latest) in str(w.message)]
     assert len(named) == 1, [str(w.message) for w in caught]
-    assert _values(run_dir) == _values(reference)  # resumed from step 2, exactly
+    assert logged_values(run_dir) == logged_values(reference)  # resumed from step 2, exactly
     assert RunStore(run_dir).read_status()["state"] == "finished"
 
 
@@ -196,7 +180,7 @@ def test_exception_marks_failed_and_sweep_skips_it_unless_retry_failed(
     assert "--retry-failed" in err
     assert sweep_main([str(sweep), "--retry-failed", *overrides]) == 0
     assert RunStore(run_dir).read_status()["state"] == "finished"
-    assert sorted(_values(run_dir)) == [0, 1, 2, 3]
+    assert sorted(logged_values(run_dir)) == [0, 1, 2, 3]
 
 
 def test_a_refused_resume_leaves_the_status_alone(tiny_overrides, tmp_path):
@@ -222,5 +206,5 @@ def test_resume_accepts_a_moved_run_and_tracking_changes_but_not_lr(tiny_overrid
 
     run_dir = train(compose([*moved, "tracking.wandb=true", "tracking.log_every=2"]))
     assert run_dir == second / "moved"
-    assert sorted(_values(run_dir)) == [0, 1, 2, 3]
+    assert sorted(logged_values(run_dir)) == [0, 1, 2, 3]
     assert RunStore(run_dir).read_status()["state"] == "finished"
