@@ -8,6 +8,7 @@ on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -19,7 +20,26 @@ from omgrpo.core.spans import ANSWER_SPANS
 from omgrpo.tasks.toy import ToyWorldSpec
 from omgrpo.tracking import TrackingConfig
 
-EXPERIMENTS_DIR = Path(__file__).resolve().parent.parent / "experiments"
+
+def presets_dir() -> Path:
+    """The Hydra presets: the checkout's own `experiments/` when omgrpo runs from one (an
+    editable install or PYTHONPATH, so edits there take effect), else the copy the wheel ships
+    as `omgrpo/_presets/` (setup.py copies experiments/ there at build time)."""
+    checkout = Path(__file__).resolve().parent.parent / "experiments"
+    if (checkout / "config.yaml").is_file():
+        return checkout
+    shipped = resources.files("omgrpo") / "_presets"
+    # Hydra reads a config directory from the file system: pip installs wheels unpacked, so
+    # the resource is a real path (a zipped install would need extracting first).
+    if not isinstance(shipped, Path) or not (shipped / "config.yaml").is_file():
+        raise FileNotFoundError(
+            f"omgrpo's presets are missing: no {checkout}/config.yaml (a checkout) and no "
+            f"{shipped}/config.yaml (an installed wheel); reinstall omgrpo from a wheel or a checkout"
+        )
+    return shipped
+
+
+EXPERIMENTS_DIR = presets_dir()
 
 
 @dataclass
