@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup test lint format demo study clean bench-env
+.PHONY: setup setup-gpu test lint format demo study clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -40,6 +40,15 @@ $(VENV)/.installed-base: pyproject.toml
 	fi
 	$(PY) -m pip install -q -e .
 	touch $@
+
+# setup-gpu: .venv on a GPU machine with the set verl 0.9.1 declares as tested (its `verl[vllm]`
+# extra: torch 2.11.0, vLLM 0.24.0, transformers 5.9.0; PyPI's torch 2.11.0 is a CUDA 13 build),
+# pinned in constraints/gpu.txt; tests/test_install.py checks that a resolver accepts it. The
+# stamps let `make test` run on it as it is.
+setup-gpu:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -e ".[dev,gpu]" -c constraints/gpu.txt
+	touch $(VENV)/.installed-base $(VENV)/.installed
 
 # `omgrpo bench step --vs-trl` needs TRL (the `bench` extra), which cannot share .venv with verl
 # 0.9.1: its own environment, with the same torch build as .venv so both sides of the ratio run
