@@ -55,6 +55,9 @@ commands:
                          tokenizer, generation config, omgrpo_export.json) for vLLM / transformers
   data convert SOURCE --out FILE.jsonl [--split S] [--config C]
                          a local benchmark copy (file or HF datasets cache) -> question/answer rows
+  data prepare --backend verl --out DIR [FILES... | toy:train|val|test] [--suite S] [KEY=VALUE...]
+                         benchmark files (MATH, GSM8K, AIME, AMC) / toy splits -> verl parquet,
+                         read with eval's loaders; bad rows named (file, row), nothing written
   tables RUNS_OR_EVALS... --out DIR
                          the paper's tables (markdown + LaTeX) from eval summaries
   figures RUNS... --out DIR

@@ -1,5 +1,5 @@
-"""`omgrpo eval ...`, `omgrpo export ...` and `omgrpo data convert ...` (exit status 0, or 2
-with the reason)."""
+"""`omgrpo eval ...`, `omgrpo export ...`, `omgrpo data convert ...` and `omgrpo data prepare
+...` (exit status 0, or 2 with the reason)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ def data_main(argv: list[str]) -> int:
         prog="omgrpo data",
         description="Benchmark data. `convert` turns a local copy (a .jsonl/.json/.parquet "
         "file, a `save_to_disk` directory, or a dataset already in the local Hugging Face "
-        "cache; nothing is downloaded) into id/question/answer rows for `omgrpo eval`.",
+        "cache; nothing is downloaded) into id/question/answer rows for `omgrpo eval`; "
+        "`prepare` writes benchmark files and toy splits as a backend's training data.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="convert a local benchmark copy")
@@ -139,9 +140,12 @@ def data_main(argv: list[str]) -> int:
         help="gsm8k: the answer ends in '#### N' (auto detects it)",
     )
     conv.add_argument("--limit", type=int, help="first N rows only")
+    _add_prepare(sub)
     ns = _parse(parser, argv)
     if isinstance(ns, int):
         return ns
+    if ns.command == "prepare":
+        return _prepare(ns)
     try:
         path, n = convert(
             ns.source,
@@ -156,4 +160,65 @@ def data_main(argv: list[str]) -> int:
     except (FileNotFoundError, BenchmarkDataError, ImportError, ValueError) as e:
         return _fail("omgrpo data convert", str(e))
     print(f"wrote {n} problems to {path}")
+    return 0
+
+
+def _add_prepare(sub) -> None:
+    from omgrpo.eval.prepare import BACKENDS
+
+    prep = sub.add_parser(
+        "prepare",
+        help="benchmark files / toy splits -> a backend's data files",
+        description="Write each source as OUT/<name>.parquet in the backend's format (verl: "
+        "its RL parquet rows), read with `omgrpo eval`'s loaders; a bad row stops it before "
+        "anything is written. KEY=VALUE arguments are config overrides for toy:<split> "
+        "(e.g. experiment=toy_shortcut task.n_train=500).",
+    )
+    prep.add_argument("sources", nargs="*", help="benchmark files, toy:train|val|test, KEY=VALUE")
+    prep.add_argument("--backend", required=True, choices=BACKENDS)
+    prep.add_argument("--out", required=True, help="output folder")
+    prep.add_argument("--suite", help="also every benchmark of a suite (paper, toy, SUITE.yaml)")
+    prep.add_argument("--question-key", help="question column of the files (default: detected)")
+    prep.add_argument("--answer-key", help="answer column of the files (default: detected)")
+    prep.add_argument("--answer-format", default="auto", choices=["auto", "plain", "gsm8k"])
+    prep.add_argument("--limit", type=int, help="first N problems of each source only")
+
+
+def _prepare(ns) -> int:
+    import re
+    from pathlib import Path
+
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from omgrpo.eval.data import BenchmarkDataError
+    from omgrpo.eval.prepare import parse_sources, prepare
+
+    # KEY=VALUE (Hydra's override syntax) that is not a file: a config override
+    is_override = [re.match(r"^[\w.+~/-]+=", a) and not Path(a).exists() for a in ns.sources]
+    overrides = [a for a, o in zip(ns.sources, is_override) if o]
+    paths = [a for a, o in zip(ns.sources, is_override) if not o]
+    try:
+        sources = parse_sources(
+            paths,
+            ns.suite,
+            ns.limit,
+            question_key=ns.question_key,
+            answer_key=ns.answer_key,
+            answer_format=ns.answer_format,
+        )
+        toy_task = None
+        if any(s.path.startswith("toy:") for s in sources):
+            from omgrpo.config import compose
+
+            toy_task = compose(overrides).task
+        elif overrides:
+            raise ValueError(f"config overrides {overrides} apply to toy:<split> sources only")
+        written = prepare(sources, ns.out, ns.backend, toy_task)
+    except (FileNotFoundError, BenchmarkDataError, ValueError, HydraException) as e:
+        return _fail("omgrpo data prepare", str(e))
+    except OmegaConfBaseException as e:  # a bad config override
+        return _fail("omgrpo data prepare", str(e))
+    for path, n in written:
+        print(f"wrote {n} problems to {path}")
     return 0
