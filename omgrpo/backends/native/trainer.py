@@ -287,9 +287,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     if probe_every and (state.step == 1 or state.step % probe_every == 0):
         with timer("probe"):
             probe = gradient_probe(policy, seqs, batch)
-    if run.mechanism is not None and run.mechanism.due(state.step):
-        with timer("mechanism"):  # before the update: it splits this step's update
-            probe |= run.mechanism.measure(policy, run.optimizer, seqs, batch, ref_logprobs, cfg)
+    probe |= mechanism_probe(run, state.step, timer, seqs, batch, ref_logprobs)
     with timer("update"):
         policy.train()
         update = ppo_update(
@@ -692,6 +690,17 @@ def gradient_probe(policy, seqs: Sequences, batch: StepBatch, rows: int = 64) ->
             torch.nn.functional.cosine_similarity(answer_grad, reasoning_grad, dim=0)
         ),
     }
+
+
+def mechanism_probe(
+    run: Run, step: int, timer: StageTimer, seqs: Sequences, batch: StepBatch, ref_logprobs
+) -> dict[str, float]:
+    """The `mech/*` metrics when `diagnostics.mechanism_every` makes `step` a probe step, else
+    none; taken before the update (they split this step's update)."""
+    if run.mechanism is None or not run.mechanism.due(step):
+        return {}
+    with timer("mechanism"):
+        return run.mechanism.measure(run.policy, run.optimizer, seqs, batch, ref_logprobs, run.cfg)
 
 
 @torch.no_grad()
