@@ -525,7 +525,8 @@ class MechanismProbe:
         cfg: Any,
     ) -> dict[str, float]:
         """The `mech/*` metrics of this step (module docstring), before its update:
-        `ref_logprobs` are the step's reference log-probs when the loss has a KL term."""
+        `ref_logprobs` are the step's reference log-probs when the loss has a KL term. Runs on
+        a forked RNG, so that a train-mode forward (dropout) cannot move the run's stream."""
         algo, probe = cfg.algorithm, task_probe(cfg.task)
         difficulties = batch.per_rollout([p.meta.get("difficulty") for p in batch.prompts])
         out = {
@@ -533,7 +534,9 @@ class MechanismProbe:
             **computed_lead_shares(batch.responses.texts, difficulties, probe, self.target),
         }
         params = [p for p in policy.parameters() if p.requires_grad]
-        grads = gradient_parts(policy, params, seqs, batch, ref_logprobs, algo, self.reference)
+        device = params[0].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            grads = gradient_parts(policy, params, seqs, batch, ref_logprobs, algo, self.reference)
         deltas = adamw_step_parts(optimizer, params, grads.answer, grads.other, cfg.optim.grad_clip)
         out.update(self.direct_effects(policy, params, deltas))
         out["mech/leak_cos"] = flat_cosine(grads.leak_reason, grads.leak_raise)
