@@ -147,7 +147,8 @@ def mechanism_section(df: pd.DataFrame, difficulty: str | None = "hard") -> list
         '`mech/*`, docs/metrics.md). ΔP: the mean change of P(box exactly "1") per probe step '
         "at fixed held-out prefixes (question + the base's own reasoning up to `\\boxed{`), "
         "split into the parts of the real AdamW step from the answer-span tokens' gradient, "
-        "the other tokens' gradient and the momentum of earlier steps; route: the part that "
+        "the other tokens' gradient and the momentum of earlier steps (their parts carried "
+        "on, so the route is read from the step's own two parts); route: the part that "
         'raised it more. Gates (teacher-forced on gold reasoning) and P(box "1") at the first '
         '→ last probe: the guess gate p(first digit "1") where the gold value starts '
         'otherwise, the truncation gate p(stop after a leading "1") where it goes on; '
