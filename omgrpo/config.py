@@ -309,6 +309,20 @@ class TrainerConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    mechanism_every: int = 0
+    """Native backend: at step 1 and every N steps (0: never), before the update, measure how
+    the step moves the answer "1" (`omgrpo.backends.native.mechanism`, the `mech/*` metrics):
+    teacher-forced gates on gold reasoning, the update's direct effect on P(box "1") at fixed
+    held-out prefixes split into the answer tokens', the other tokens' and the momentum's
+    parts, the leakage cosine and the drift from the reference. Leaves training unchanged;
+    without a reference model (`algorithm.kl_coef=0`) it keeps a copy of the base."""
+    mechanism_prompts: int = 128
+    """Held-out (validation) problems the gates' gold prefixes and the fixed own-reasoning
+    prefixes are built from."""
+
+
+@dataclass
 class CollapseConfig:
     max_unique_per_prompt: float = 1.5
     """Collapse needs mean distinct answers per prompt at or below this..."""
@@ -335,6 +349,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     car: CarConfig = field(default_factory=CarConfig)
     seed: int = 0
     """Seed of sampling and data order (the toy base has its own seed: model.warm_start.seed)."""

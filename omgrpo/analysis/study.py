@@ -34,6 +34,7 @@ import yaml
 
 from omgrpo.analysis.figures import DRAW, MissingRunsError
 from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
+from omgrpo.analysis.mechanism import mechanism_section, mechanism_table
 from omgrpo.analysis.report import base_checks, base_checks_section, what_happened
 
 __all__ = ["Verdict", "judge_predictions", "read_preregistration", "verdict_table"]
@@ -272,6 +273,7 @@ def write_study_report(
     lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
     lines += what_happened(df)
     lines += base_checks_section(checks)
+    lines += mechanism_section(df)
     lines += ["## Figures", ""] + [f"![{f}](figures/{f})" for f in figures]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     summary = {
@@ -282,6 +284,7 @@ def write_study_report(
         "stopped_by_positive_control": stopped,
         "verdicts": as_json(verdicts),
         "base_checks": checks,
+        "mechanism": mechanism_table(df).to_dict("records"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return out / "report.md"

@@ -49,7 +49,9 @@ RESUME_IGNORED_KEYS = {
     # is already in the cache; the key, not this, names the weights
     "model.warm_start.shipped",
 }
-RESUME_IGNORED_SECTIONS = ("tracking.", "console.")
+# `diagnostics.*` only adds its own metrics (the mechanism probe leaves the trajectory
+# unchanged: tests/backends/native/test_mechanism.py)
+RESUME_IGNORED_SECTIONS = ("tracking.", "console.", "diagnostics.")
 
 
 class CheckpointWarning(UserWarning):

@@ -42,6 +42,7 @@ from omgrpo.backends.native.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from omgrpo.backends.native.mechanism import MechanismProbe
 from omgrpo.config import to_container, validate_algorithm
 from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
@@ -129,6 +130,7 @@ class Run:
     val_problems: list[Problem]
     steps_per_epoch: int
     total_steps: int
+    mechanism: MechanismProbe | None = None  # `diagnostics.mechanism_every`
 
     def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
         """n responses per problem from the policy (prompts through the chat template)."""
@@ -285,6 +287,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     if probe_every and (state.step == 1 or state.step % probe_every == 0):
         with timer("probe"):
             probe = gradient_probe(policy, seqs, batch)
+    probe |= mechanism_probe(run, state.step, timer, seqs, batch, ref_logprobs)
     with timer("update"):
         policy.train()
         update = ppo_update(
@@ -420,6 +423,7 @@ def setup(cfg: DictConfig) -> Run:
         val_problems=splits.val[: cfg.eval.num_prompts],
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        mechanism=MechanismProbe.build(cfg, policy, ref, tokenizer, encode, splits.val, stop_ids),
     )
 
 
@@ -686,6 +690,17 @@ def gradient_probe(policy, seqs: Sequences, batch: StepBatch, rows: int = 64) ->
             torch.nn.functional.cosine_similarity(answer_grad, reasoning_grad, dim=0)
         ),
     }
+
+
+def mechanism_probe(
+    run: Run, step: int, timer: StageTimer, seqs: Sequences, batch: StepBatch, ref_logprobs
+) -> dict[str, float]:
+    """The `mech/*` metrics when `diagnostics.mechanism_every` makes `step` a probe step, else
+    none; taken before the update (they split this step's update)."""
+    if run.mechanism is None or not run.mechanism.due(step):
+        return {}
+    with timer("mechanism"):
+        return run.mechanism.measure(run.policy, run.optimizer, seqs, batch, ref_logprobs, run.cfg)
 
 
 @torch.no_grad()
