@@ -186,18 +186,23 @@ def check_report_export_eval(run_dir: Path, tmp_path: Path, setup) -> None:
     assert cli.main(["export", str(run_dir), str(out)]) == 0
     meta = json.loads((out / "omgrpo_export.json").read_text())
     assert (meta["step"], meta["config"]["backend"]) == (2, "verl")
+    # verl's merger writes bfloat16 (fsdp_model_merger.py casts each shard): the exported
+    # weights are the actor's saved fp32 weights rounded to bf16, bit for bit, and give the
+    # log-probs of the actor with those weights
     actor = run_dir / "checkpoints" / "global_step_2" / "actor"
     shard = torch.load(actor / "model_world_size_1_rank_0.pt", weights_only=False)
-    weights = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in shard.items()}
+    weights = {k: v.to_local().to(torch.bfloat16) for k, v in shard.items()}
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, weights[name].float()), name
     actor_model = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32).eval()
-    actor_model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    actor_model.load_state_dict({k: v.float() for k, v in weights.items()})
     base = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32).eval()
     ids = AutoTokenizer.from_pretrained(out)("2 + 3 = \\boxed{5}", return_tensors="pt").input_ids
     with torch.no_grad():
         logp = [m(ids).logits.log_softmax(-1) for m in (exported, actor_model, base)]
-    torch.testing.assert_close(logp[0], logp[1], rtol=1e-3, atol=1e-3)
-    assert not torch.allclose(logp[0], logp[2], atol=1e-4)  # the two updates moved it
+    torch.testing.assert_close(logp[0], logp[1], rtol=0, atol=1e-6)
+    assert not torch.allclose(logp[0], logp[2], atol=1e-3)  # the two updates moved it
 
     suite = tmp_path / "suite.yaml"
     problems = tmp_path / "toy4.jsonl"
