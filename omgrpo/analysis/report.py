@@ -269,8 +269,11 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
     schema = OmegaConf.structured(Config)
     out: dict[str, dict | None] = {}
     for run_dir in run_dirs:
+        raw = OmegaConf.load(Path(run_dir) / "config.yaml")
+        if raw.get("backend") == "verl":  # a model directory, not a toy base of the cache
+            continue
         # on today's schema: configs written before a field existed get its default
-        cfg = OmegaConf.merge(schema, OmegaConf.load(Path(run_dir) / "config.yaml"))
+        cfg = OmegaConf.merge(schema, raw)
         if cfg.model.path or cfg.task.name != "toy":
             continue
         base = Path(cfg.model.cache_dir) / f"toy-base-{toy_base_key(cfg.model, cfg.task)}"

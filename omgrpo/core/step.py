@@ -19,6 +19,7 @@ from itertools import pairwise
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from omgrpo.core.answers import Grader, equivalent, extract_boxed
@@ -318,3 +319,30 @@ def step_metrics(
                 guess_diagnostics(batch.responses.texts, batch.answers, difficulties, probe)
             )
     return metrics
+
+
+def rollout_table(
+    step: int, batch: StepBatch, texts: list[str | None] | None = None
+) -> pd.DataFrame:
+    """The step's rollouts, one row each: the run store's `rollouts/step_*.parquet` of both
+    backends. `texts`: the responses (default `batch.responses.texts`; verl's driver passes the
+    agent loop's); `question` is empty where the batch's prompts do not carry it (verl)."""
+    prompts = batch.per_rollout(batch.prompts)
+    if texts is None:
+        texts = batch.responses.texts if batch.responses is not None else [None] * len(prompts)
+    advantages = batch.advantages
+    return pd.DataFrame(
+        {
+            "step": step,
+            "prompt_id": [p.id for p in prompts],
+            "rollout": [i for g in batch.per_group(batch.answers) for i in range(len(g))],
+            "question": [p.question for p in prompts],
+            "text": texts,
+            "answer": batch.answers,
+            "label": [p.answer for p in prompts],
+            "correct": pd.array(batch.correct, dtype="boolean"),
+            "reward": batch.rewards,
+            **{f"reward_{k}": v for k, v in batch.reward_parts.items()},
+            "advantage": advantages.numpy() if advantages is not None else np.nan,
+        }
+    )

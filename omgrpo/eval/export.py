@@ -1,5 +1,6 @@
 """`omgrpo export RUN [--checkpoint last|best|step_N] OUT`: a run's checkpoint, chosen as
-`omgrpo eval` chooses it (`eval/checkpoints.py`), as a Hugging Face model directory."""
+`omgrpo eval` chooses it (`eval/checkpoints.py`), as a Hugging Face model directory; a verl
+run's (config.yaml `backend: verl`) through verl's model merger (`omgrpo.backends.verl.export`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def export_run(
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir}: not a run directory (no config.yaml)")
     check_export_target(out)  # before any work
+    if RunStore(run_dir).read_config().get("backend") == "verl":  # through verl's model merger
+        from omgrpo.backends.verl.export import export_verl_run
+
+        return export_verl_run(run_dir, out, checkpoint, select_metric)
     if checkpoint == "base":
         raise CheckpointError(
             "--checkpoint base: the base is already a model directory (the run's model.path, "

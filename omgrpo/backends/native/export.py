@@ -82,25 +82,52 @@ def export_checkpoint(
     del model, weights, state
     gc.collect()  # the caller may build vLLM next: no torch copy of the weights is left
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-    meta = {
-        "format": 1,
-        "run": Path(run_dir).name if run_dir else None,
-        "run_dir": str(Path(run_dir).resolve()) if run_dir else None,
-        "checkpoint": label or f"step_{step}",
-        "checkpoint_dir": str(checkpoint_dir.resolve()),
-        "why": why,
-        "step": step,
-        "config_sha256": config_hash(config),
-        "base_model": base,
-        "dtype": str(dtype).removeprefix("torch."),
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "config": config,  # the run's resolved config: `omgrpo eval` reads its task from here
-    }
-    (tmp / EXPORT_META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    write_export_meta(
+        tmp,
+        run_dir=run_dir,
+        checkpoint_dir=checkpoint_dir,
+        label=label or f"step_{step}",
+        why=why,
+        step=step,
+        config=config,
+        base=base,
+        dtype=str(dtype).removeprefix("torch."),
+    )
     if out.exists():
         out.rmdir()  # empty (checked above)
     tmp.rename(out)
     return out
+
+
+def write_export_meta(
+    model_dir: Path,
+    *,
+    run_dir: str | Path | None,
+    checkpoint_dir: Path,
+    label: str,
+    why: str,
+    step: int,
+    config: dict[str, Any],
+    base: str | None,
+    dtype: str,
+) -> None:
+    """`omgrpo_export.json`: which run, checkpoint, step and config the weights came from
+    (`omgrpo eval` reads the run's config, hence its task, from here). Both backends' exports."""
+    meta = {
+        "format": 1,
+        "run": Path(run_dir).name if run_dir else None,
+        "run_dir": str(Path(run_dir).resolve()) if run_dir else None,
+        "checkpoint": label,
+        "checkpoint_dir": str(Path(checkpoint_dir).resolve()),
+        "why": why,
+        "step": step,
+        "config_sha256": config_hash(config),
+        "base_model": base,
+        "dtype": dtype,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "config": config,  # the run's resolved config: `omgrpo eval` reads its task from here
+    }
+    (model_dir / EXPORT_META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
 
 
 def read_export_meta(model_dir: str | Path) -> dict[str, Any] | None:

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 from omegaconf import DictConfig
 
@@ -61,6 +60,7 @@ from omgrpo.core.step import (
     StepBatch,
     decode_responses,
     is_correct,
+    rollout_table,
     score_step,
     step_metrics,
 )
@@ -744,26 +744,6 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
         "val/extract_rate": float(np.mean([a is not None for a in answers])),
         **recovery_metrics(correct, recovery),
     }
-
-
-def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:
-    """The step's rollouts, one row each (the run store's rollouts table)."""
-    prompts = batch.per_rollout(batch.prompts)
-    return pd.DataFrame(
-        {
-            "step": step,
-            "prompt_id": [p.id for p in prompts],
-            "rollout": [i for g in batch.per_group(batch.answers) for i in range(len(g))],
-            "question": [p.question for p in prompts],
-            "text": batch.responses.texts,
-            "answer": batch.answers,
-            "label": [p.answer for p in prompts],
-            "correct": pd.array(batch.correct, dtype="boolean"),
-            "reward": batch.rewards,
-            **{f"reward_{k}": v for k, v in batch.reward_parts.items()},
-            "advantage": batch.advantages.numpy(),
-        }
-    )
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_ratio: float, min_ratio: float):

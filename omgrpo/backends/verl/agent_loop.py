@@ -356,6 +356,7 @@ def rollout_records(
                 rewards={part: float(v[k]) for part, v in batch.reward_parts.items()},
                 grading_timeouts=timeouts,  # the group's, on every rollout
                 car=car_record,
+                text=batch.responses.texts[k],
             )
         )
     return records

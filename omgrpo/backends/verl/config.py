@@ -47,6 +47,12 @@ class VerlRunSection:
     trainer.experiment_name (`<experiment>__<variant>__s<seed>`, as the native run name)."""
     variant: str = "om_grpo"
     """Method or ablation (set by the method preset)."""
+    root: str = "runs"
+    """As the native `run.root`: the run store is `<root>/<trainer.experiment_name>/`
+    (`omgrpo.backends.verl.run_store`), verl's checkpoints in its `checkpoints/` folder."""
+    log_rollouts_every: int = 5
+    """As the native `trainer.log_rollouts_every`: write the step's rollouts to the run store
+    every N steps (and at step 1)."""
     resume: bool | str = "auto"
     """As the native `run.resume`: `auto` (the default) and true continue the newest checkpoint
     in the run's checkpoint folder, or start where there is none (verl

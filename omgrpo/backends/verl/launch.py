@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from omgrpo.backends.verl.config import (
     REQUIRED_KEYS,
@@ -87,6 +87,10 @@ def launch(cfg: DictConfig) -> None:
     # DEBUG and then not know the `omgrpo` trainer).
     import omgrpo.backends.verl.plugin  # noqa: F401
 
+    # Ray's processes may run elsewhere than the launch's folder: the run store and the
+    # checkpoints (inside it) go where the launch's relative path points.
+    with open_dict(cfg):
+        cfg.omgrpo.run.root = str(Path(cfg.omgrpo.run.root).expanduser().absolute())
     auto_set_device(cfg)
     check_verl(cfg)
     check_checkpoint_folder(cfg)

@@ -24,7 +24,7 @@ from omgrpo.core.step import LoopState, StepBatch
 from omgrpo.core.step import step_metrics as batch_metrics
 from omgrpo.tasks import Problem
 
-__all__ = ["batch_from_records", "records_metrics"]
+__all__ = ["batch_from_records", "records_metrics", "records_step", "records_texts"]
 
 
 def _group_rows(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[list[int]]:
@@ -58,11 +58,13 @@ def batch_from_records(
     records: Sequence[RolloutRecord],
     rewards: Sequence[float],
     grader: Grader | None = None,
+    advantages: Sequence[float] | None = None,
 ) -> StepBatch:
     """The step's rollouts as a `StepBatch` (group order), from the agent loop's records.
 
     The groups' answer classes are rebuilt with CAR's pair answers as the pool, as the agent
-    loop rewarded them; rewards are verl's `rm_scores` (the agent loop's group rewards).
+    loop rewarded them; rewards are verl's `rm_scores` (the agent loop's group rewards);
+    `advantages`: each row's GRPO advantage A_i (before answer weighting), if known.
     """
     rows = _group_rows(uids, records)
     order = [i for g in rows for i in g]
@@ -86,7 +88,11 @@ def batch_from_records(
         groups=groups,
         reward_parts={p: np.array([r.rewards[p] for r in recs], dtype=np.float64) for p in parts},
         rewards=np.asarray([rewards[i] for i in order], dtype=np.float64),
-        advantages=None,
+        advantages=(
+            None
+            if advantages is None
+            else torch.tensor([advantages[i] for i in order], dtype=torch.float32)
+        ),
         car=car,
         grader=grader,
     )
@@ -101,7 +107,24 @@ def records_metrics(
     state: LoopState,
     grader: Grader | None = None,
 ) -> dict[str, float]:
-    """Diagnostics of one step's rollouts (`omgrpo.core.step.step_metrics`).
+    """Diagnostics of one step's rollouts: `records_step`'s metrics."""
+    return records_step(
+        uids, records, rewards, confident_share=confident_share, state=state, grader=grader
+    )[0]
+
+
+def records_step(
+    uids: Sequence[Any],
+    records: Sequence[RolloutRecord | dict],
+    rewards: Sequence[float],
+    *,
+    confident_share: float,
+    state: LoopState,
+    grader: Grader | None = None,
+    advantages: Sequence[float] | None = None,
+) -> tuple[dict[str, float], StepBatch | None]:
+    """Diagnostics of one step's rollouts (`omgrpo.core.step.step_metrics`), and the step's
+    `StepBatch` they were computed on (None without records), for the rollout table.
 
     Args:
         uids: verl's prompt uid of each rollout (padding rows excluded).
@@ -111,6 +134,7 @@ def records_metrics(
         confident_share: `omgrpo.collapse.confident_share`.
         state: the trainer's loop state (`last_majority` is updated: label flips).
         grader: the driver's `Grader` for re-clustering the groups (`omgrpo.reward`).
+        advantages: each rollout's GRPO advantage A_i (same order), kept in the batch.
 
     Returns:
         `reward/total`, `reward/<part>`, the `answers/*` diagnostics (without the string
@@ -119,9 +143,9 @@ def records_metrics(
         (wall clock from the first pair request to the last answer of the step).
     """
     if not records:
-        return {}
+        return {}, None
     records = [r if isinstance(r, RolloutRecord) else RolloutRecord.from_dict(r) for r in records]
-    batch = batch_from_records(uids, records, rewards, grader or Grader())
+    batch = batch_from_records(uids, records, rewards, grader or Grader(), advantages)
     metrics = batch_metrics(batch, state, confident_share)
     metrics.pop("answers/batch_mode")  # a string: verl's loggers take numbers
     rows = _group_rows(uids, records)
@@ -131,4 +155,9 @@ def records_metrics(
         firsts = [records[g[0]].car for g in rows]
         metrics["car/seconds"] = float(sum(c.end - c.start for c in firsts))
         metrics["car/span_s"] = float(max(c.end for c in firsts) - min(c.start for c in firsts))
-    return metrics
+    return metrics, batch
+
+
+def records_texts(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[str | None]:
+    """The records' response texts in `batch_from_records`' row order (group order)."""
+    return [records[i].text for g in _group_rows(uids, records) for i in g]

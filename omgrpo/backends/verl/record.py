@@ -56,6 +56,8 @@ class RolloutRecord:
     """Comparisons the group's grading budget left undecided (the group's, on every rollout)."""
     car: CarRecord | None = None
     """CAR's pair answers of this anchor and the group's counters; None without CAR."""
+    text: str | None = None
+    """The decoded response (the run store's rollout table, `text`); None: not recorded."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins for TransferQueue (pairs as lists)."""

@@ -19,7 +19,11 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
   (the step is logged; verl's loop then exits as after its last step, without an extra
   checkpoint or validation: the native trainer's `collapsed` stop);
 - grades with `omgrpo.reward` (budget, math-verify on/off) in the driver's metrics, as the
-  agent-loop workers and verl's reward workers do (a `Grader` per stage, nothing process-wide).
+  agent-loop workers and verl's reward workers do (a `Grader` per stage, nothing process-wide);
+- writes the omgrpo run store (`omgrpo.backends.verl.run_store`): a tracking backend put into
+  the `Tracking` verl's `fit` builds, the rollout table of every logged step (step 1 and every
+  `omgrpo.run.log_rollouts_every`) with each rollout's GRPO advantage A_i, and the run's
+  status (`running`, then `finished` / `collapsed`, or `failed` / `killed` with the error).
 """
 
 from __future__ import annotations
@@ -38,18 +42,28 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.distillation import is_distillation_enabled
 from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.tracking import Tracking
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.advantage import weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
-from omgrpo.backends.verl.metrics import records_metrics
+from omgrpo.backends.verl.metrics import records_step, records_texts
+from omgrpo.backends.verl.record import RolloutRecord
+from omgrpo.backends.verl.run_store import BACKEND_NAME, RunStoreBackend, run_dir, store_config
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.losses import token_means, token_roles, token_stats
-from omgrpo.core.step import LoopState
+from omgrpo.core.step import LoopState, rollout_table
+from omgrpo.tracking.store import RunStore
 
-__all__ = ["TRAINER_NAME", "OmgrpoTrainer", "entropy_split", "validation_aliases"]
+__all__ = [
+    "TRAINER_NAME",
+    "OmgrpoTrainer",
+    "entropy_split",
+    "row_advantages",
+    "validation_aliases",
+]
 
 TRAINER_NAME = "omgrpo"
 
@@ -61,6 +75,15 @@ def entropy_split(
     of `token_stats` (nan when there is no such token), as every backend computes them."""
     stats = token_stats({"entropy": entropy}, token_roles(response_mask, answer_mask))
     return {k: v for k, v in token_means(stats).items() if k.startswith("entropy/")}
+
+
+def row_advantages(data: Any) -> list[float]:
+    """Each row's GRPO advantage A_i from verl's per-token `advantages` (the estimator
+    broadcasts A_i over the response; read before answer weighting): the mean over the row's
+    response tokens (0 for a row without any, e.g. balance-batch padding)."""
+    adv = data["advantages"].to_padded_tensor(0.0).float()
+    mask = data["response_mask"].to_padded_tensor(0).float()
+    return ((adv * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
 
 
 def validation_aliases(
@@ -104,7 +127,40 @@ class OmgrpoTrainer(PPOTrainerSync):
             collapse.max_unique_per_prompt, collapse.min_mode_share, collapse.patience
         )
         self._collapse.state = self._loop.collapse
+        self._row_advantages: dict[Any, float] = {}  # batch key -> A_i, until the step is logged
+        self._tracking: Tracking | None = None
+        self.run_store: RunStoreBackend | None = None  # made in `fit` (total steps known)
         super().__init__(config)
+
+    @property
+    def logger(self) -> Tracking | None:
+        """verl's `Tracking` of this run (built by `fit`)."""
+        return self._tracking
+
+    @logger.setter
+    def logger(self, tracking: Tracking) -> None:
+        # verl's `fit` builds its `Tracking` and assigns it here: the run store joins verl's
+        # backends (W&B, MLflow, file, console), as verl 0.9.1 has no backend registry.
+        if self.run_store is not None and BACKEND_NAME not in tracking.logger:
+            tracking.logger[BACKEND_NAME] = self.run_store
+        self._tracking = tracking
+
+    def fit(self, agent_loop_manager: Any) -> None:
+        """verl's `fit`, recorded in the run store: `running`, then `finished` or `collapsed`
+        (a collapse stop), or `failed` / `killed` with the error (`RunStore.recording_failures`).
+        """
+        store = RunStore(run_dir(self.config))
+        base = self.config.actor_rollout_ref.model.path
+        self.run_store = RunStoreBackend(store, self.total_training_steps, base)
+        with store.recording_failures():
+            self.run_store.start(store_config(self.config), int(self.global_steps))
+            super().fit(agent_loop_manager)
+            last = int(self.global_steps) - 1  # fit counts one past the last step it logged
+            detected = self._collapse.state["detected_step"]
+            if detected is not None and self.omgrpo.collapse.stop:
+                self.run_store.status("collapsed", last, collapse_step=detected)
+            else:
+                self.run_store.status("finished", last)
 
     def _build_replay_buffer(self) -> Any:
         # Runs inside PPOTrainer.__init__ right after trainer_mode is read from the config.
@@ -146,6 +202,7 @@ class OmgrpoTrainer(PPOTrainerSync):
         data = tq.kv_batch_get(
             keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
         )
+        self._row_advantages.update(zip(batch.keys, row_advantages(data)))
         out = weight_jagged(
             data.exclude("entropy") if with_entropy else data,
             float(algo.answer_weight),
@@ -163,7 +220,9 @@ class OmgrpoTrainer(PPOTrainerSync):
             )
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
 
-    def _omgrpo_step_metrics(self, batch: KVBatchMeta) -> dict[str, float]:
+    def _omgrpo_step_metrics(self, batch: KVBatchMeta, step: int) -> dict[str, float]:
+        """omgrpo's metrics of the step; the step's rollout table goes to the run store."""
+        advantages, self._row_advantages = self._row_advantages, {}
         keys = [k for k, t in zip(batch.keys, batch.tags) if not t.get("is_padding", False)]
         if not keys:
             return {}
@@ -183,18 +242,26 @@ class OmgrpoTrainer(PPOTrainerSync):
                 "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
             )
         rewards = data.select("rm_scores").to_padded_tensor()["rm_scores"].sum(-1).tolist()
-        return records_metrics(
-            data.get("uid").tolist(),
+        uids = data.get("uid").tolist()
+        records = [RolloutRecord.from_dict(r) for r in records]
+        metrics, step_batch = records_step(
+            uids,
             records,
             rewards,
             confident_share=float(self.omgrpo.collapse.confident_share),
             state=self._loop,
             grader=Grader.from_config(self.omgrpo.reward),
+            advantages=[advantages.get(k, math.nan) for k in keys],
         )
+        every = max(int(self.omgrpo.run.log_rollouts_every), 1)
+        if self.run_store is not None and (step == 1 or step % every == 0):
+            table = rollout_table(step, step_batch, records_texts(uids, records))
+            self.run_store.add_rollouts(step, table)
+        return metrics
 
     def _compute_metrics(self, batch, metrics, timing_raw, global_steps, epoch) -> None:
         loss_metric_means(metrics)
-        om_metrics = self._omgrpo_step_metrics(batch)
+        om_metrics = self._omgrpo_step_metrics(batch, global_steps)
         if "car/span_s" in om_metrics:
             # verl turns timing_raw[k] into timing_s/k; CAR overlaps generation (timing_s/gen).
             timing_raw["car"] = om_metrics["car/span_s"]

@@ -222,8 +222,8 @@ def test_two_seeds_get_two_checkpoint_folders_and_their_own_shuffle_seeds():
         for seed, args in ((0, []), (1, ["seed=1"]), (7, ["omgrpo.seed=7"]))
     }
     folders = {seed: cfg.trainer.default_local_dir for seed, cfg in runs.items()}
-    assert folders[0] == "checkpoints/omgrpo/paper_qwen3_1p7b__om_grpo__s0"
-    assert folders[1] == "checkpoints/omgrpo/paper_qwen3_1p7b__om_grpo__s1"
+    assert folders[0] == "runs/paper_qwen3_1p7b__om_grpo__s0/checkpoints"
+    assert folders[1] == "runs/paper_qwen3_1p7b__om_grpo__s1/checkpoints"
     assert len(set(folders.values())) == 3
     for seed, cfg in runs.items():
         assert cfg.omgrpo.seed == seed and cfg.trainer.experiment_name.endswith(f"__s{seed}")

@@ -8,8 +8,10 @@ logger (the driver's metrics, checked by the GPU smoke test's `check_run`) and t
 server's request log.
 
 Each verl process costs ~2 min of startup on 2 cores, so the checks share processes: one run of
-OM-GRPO with CAR (2 steps, collapse stop forced), and one run each of `method=mv` and
-`method=gt` (1 step), side by side.
+OM-GRPO with CAR (2 steps, collapse stop forced, a checkpoint at step 2), and one run each of
+`method=mv` and `method=gt` (1 step), side by side. The OM-GRPO run's omgrpo run store is then
+read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export` (verl's
+model merger) -> `transformers` (the actor's log-probs) -> `omgrpo eval`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "verl_cpu"))
@@ -40,9 +43,12 @@ def setup(base_cache, tmp_path_factory):
     return base, train, val
 
 
+RUN_NAME = "paper_qwen3_1p7b__om_grpo__s0"  # the preset's <experiment>__<variant>__s<seed>
+
+
 def _run(out: Path, setup, steps: int, extra: list[str]) -> dict[int, dict]:
     base, train, val = setup
-    args = harness.overrides(base, train, val, steps, G) + extra
+    args = [*harness.overrides(base, train, val, steps, G), f"run.root={out / 'runs'}", *extra]
     rc = harness.run_train(out, args, timeout=TIMEOUT_S)
     log = (out / "train.log").read_text()
     assert rc == 0, f"verl run failed (exit code {rc}):\n{log[-6000:]}"
@@ -68,7 +74,9 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
     from omgrpo.core.answers import extract_boxed
     from omgrpo.core.car import read_pair_answer
 
-    steps = _run(tmp_path, setup, steps=3, extra=COLLAPSE_AT_STEP_2)
+    # a checkpoint at step 2 (the export below), the rollouts of both steps in the run store
+    store_args = ["trainer.save_freq=2", "omgrpo.run.log_rollouts_every=1"]
+    steps = _run(tmp_path, setup, steps=3, extra=COLLAPSE_AT_STEP_2 + store_args)
     problems = check_run(
         steps,
         expect_steps=2,
@@ -99,6 +107,8 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
         # the pool: G rollouts + the group's valid pair answers, averaged over the groups
         votes = sum(r.answer is not None for r in read)
         assert m["car/pool_size"] == pytest.approx(G + votes / PROMPTS), step
+    check_run_store(tmp_path / "runs" / RUN_NAME, steps, served)
+    check_report_export_eval(tmp_path / "runs" / RUN_NAME, tmp_path, setup)
 
 
 def test_mv_and_gt_one_step(setup, tmp_path):
@@ -119,3 +129,108 @@ def test_mv_and_gt_one_step(setup, tmp_path):
         assert "reward/soft_vote" not in steps[method][1], method
     # the GT reward is the correctness the diagnostics measure
     assert steps["gt"][1]["reward/gt"] == pytest.approx(steps["gt"][1]["acc/train"])
+
+
+def check_run_store(run_dir: Path, steps: dict[int, dict], served: dict) -> None:
+    """The verl run wrote the native run store: config, identity, provenance, status, every
+    logged metric (as verl's file logger got them) and each step's rollouts."""
+    from omgrpo.tracking.store import RunStore
+
+    store = RunStore(run_dir)
+    config = store.read_config()
+    assert config["backend"] == "verl" and config["run"]["name"] == RUN_NAME
+    assert config["seed"] == 0 and config["algorithm"]["answer_weight"] == 0.0
+    assert config["verl"]["trainer"]["default_local_dir"] == str(run_dir / "checkpoints")
+    assert len(store.peek_uuid()) == 32 and store.read_provenance()["versions"]["verl"]
+    status = store.read_status()
+    assert (status["state"], status["step"], status["collapse_step"]) == ("collapsed", 2, 2)
+    rows = dict(store.metric_rows())
+    assert sorted(rows) == sorted(steps) == [1, 2]
+    for step, logged in steps.items():  # same names and values as verl's file logger
+        assert rows[step].keys() == logged.keys(), step
+        assert rows[step] == pytest.approx(logged, nan_ok=True), step
+    for (step, path), version in zip(store.rollout_files(), sorted(served)):
+        table = pd.read_parquet(path)
+        assert len(table) == PROMPTS * G and (table["step"] == step).all()
+        assert table.groupby("prompt_id").size().tolist() == [G] * PROMPTS
+        assert sorted(table["text"]) == sorted(served[version][0])  # what the server generated
+        m = steps[step]
+        assert table["reward"].mean() == pytest.approx(m["reward/total"])
+        assert table["answer"].notna().mean() == pytest.approx(m["answers/extract_rate"])
+        assert table["correct"].astype(float).mean() == pytest.approx(m["acc/train"])
+        # A_i as verl's GRPO step computed it (per prompt: mean 0; the batch's extremes)
+        assert table.groupby("prompt_id")["advantage"].sum().abs().max() < 1e-4
+        assert table["advantage"].max() == pytest.approx(m["critic/advantages/max"], abs=1e-5)
+        assert table["advantage"].min() == pytest.approx(m["critic/advantages/min"], abs=1e-5)
+
+
+def check_report_export_eval(run_dir: Path, tmp_path: Path, setup) -> None:
+    """`omgrpo report` reads the run (collapse verdict, figures); `omgrpo export` merges its
+    step-2 checkpoint with verl's model merger into a directory that `transformers` loads with
+    the actor's weights (same log-probs) and `omgrpo eval` evaluates; seed 1 composes to its
+    own run directory and checkpoint folder."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omgrpo import cli
+    from omgrpo.backends.verl.config import compose_verl
+
+    assert cli.main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 0
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "collapsed at step 2" in report
+    assert list((tmp_path / "report" / "figures").glob("*.png")), report
+
+    out = tmp_path / "export"
+    assert cli.main(["export", str(run_dir), str(out)]) == 0
+    meta = json.loads((out / "omgrpo_export.json").read_text())
+    assert (meta["step"], meta["config"]["backend"]) == (2, "verl")
+    # verl's merger writes bfloat16 (fsdp_model_merger.py casts each shard): the exported
+    # weights are the actor's saved fp32 weights rounded to bf16, bit for bit, and give the
+    # log-probs of the actor with those weights
+    actor = run_dir / "checkpoints" / "global_step_2" / "actor"
+    shard = torch.load(actor / "model_world_size_1_rank_0.pt", weights_only=False)
+    weights = {k: v.to_local().to(torch.bfloat16) for k, v in shard.items()}
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, weights[name].float()), name
+    actor_model = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32).eval()
+    actor_model.load_state_dict({k: v.float() for k, v in weights.items()})
+    base = AutoModelForCausalLM.from_pretrained(setup[0], dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(out)("2 + 3 = \\boxed{5}", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logp = [m(ids).logits.log_softmax(-1) for m in (exported, actor_model, base)]
+    torch.testing.assert_close(logp[0], logp[1], rtol=0, atol=1e-6)
+    assert not torch.allclose(logp[0], logp[2], atol=1e-3)  # the two updates moved it
+
+    suite = tmp_path / "suite.yaml"
+    problems = tmp_path / "toy4.jsonl"
+    rows = pd.read_parquet(setup[2])
+    problems.write_text(
+        "".join(
+            json.dumps({"question": p[0]["content"], "answer": r["ground_truth"]}) + "\n"
+            for p, r in zip(rows["prompt"][:4], rows["reward_model"][:4])
+        )
+    )
+    suite.write_text(
+        f"benchmarks:\n  toy4: {{path: {problems}, k: 2, max_new_tokens: 64, limit: 4}}\n"
+    )
+    evals = tmp_path / "eval"
+    assert (
+        cli.main(["eval", str(out), "--suite", str(suite), "--out", str(evals), "--no-track"]) == 0
+    )
+    summary = json.loads((evals / "summary.json").read_text())
+    assert "toy4" in json.dumps(summary)
+
+    # two seeds, two run directories and checkpoint folders (composed with the run's own
+    # overrides: a second verl process would cost ~2 min)
+    base_dir, train, val = setup
+    args = [*harness.overrides(base_dir, train, val, 3, G), f"run.root={run_dir.parent}"]
+    seed1 = compose_verl(
+        "paper_qwen3_1p7b", [a for a in args if not a.startswith("experiment=")] + ["seed=1"]
+    )
+    folder1 = Path(seed1.trainer.default_local_dir)
+    assert folder1 == run_dir.parent / RUN_NAME.replace("__s0", "__s1") / "checkpoints"
+    assert folder1 != run_dir / "checkpoints" and not folder1.exists()
+    assert seed1.data.seed == 1
