@@ -526,7 +526,9 @@ def check_config(cfg) -> None:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
     tokens = cfg.rollout.max_batch_tokens
     if tokens is not None and tokens < 1:
-        raise ValueError(f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}")
+        raise ValueError(
+            f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}"
+        )
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
