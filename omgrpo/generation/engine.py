@@ -42,9 +42,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-# Decoder families `_LeanKV` implements: pre-norm blocks, rotary attention with grouped KV heads
-# (optional per-head q/k norms, as Qwen3), gated MLP, no sliding window or logit soft-capping.
-from omgrpo.generation.budget import LEAN_MODEL_TYPES
+from omgrpo.generation.budget import LEAN_MODEL_TYPES  # the decoder families `_LeanKV` runs
 
 GROW_FROM = 256  # new tokens the lean decoder's cache holds at first; it doubles when full
 
@@ -117,9 +115,9 @@ def sample_next_token(
 
 def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of (B, V) non-negative weights -> (B,), by inverting each row's CDF
-    with one uniform per row (`uniforms` (B,) in [0, 1), default: the global torch RNG). (`torch.multinomial` draws B x V exponentials, which on the CPU
-    cost ~4 ms per toy decode step at 512 x 390, a quarter of generation.) A token of weight 0
-    is never drawn."""
+    with one uniform per row (`uniforms` (B,) in [0, 1), default: the global torch RNG).
+    (`torch.multinomial` draws B x V exponentials, which on the CPU cost ~4 ms per toy decode
+    step at 512 x 390, a quarter of generation.) A token of weight 0 is never drawn."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all() and (total > 0).all()):
