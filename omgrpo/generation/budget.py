@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Decoder families `engine._LeanKV` implements (the engine imports this set).
+# Decoder families `engine._LeanKV` implements: pre-norm blocks, rotary attention with grouped
+# KV heads (optional per-head q/k norms, as Qwen3), gated MLP, no sliding window or logit
+# soft-capping.
 LEAN_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
 HEADROOM = 0.9  # share of device memory a stage may plan to use
 
