@@ -162,6 +162,11 @@ class RolloutConfig:
     max_prompt_len: int = 512
     """Longest prompt (tokens, chat template included); every train/val prompt is checked at
     setup and the error lists the longer ones (file, line, id)."""
+    max_batch_tokens: int | None = None
+    """K/V cache tokens one generation chunk of the native trainer may hold (rollouts,
+    validation, CAR): each prompt once plus `max_new_tokens` per row (CAR's pair prompts per
+    row). null: chunks sized from the device's free memory before each generation. Results do
+    not depend on the chunking; see docs/memory.md."""
 
 
 @dataclass

@@ -50,7 +50,8 @@ class NativeSampler:
             top_p=spec.top_p,
             eos_id=self.stop_ids,
             pad_id=self.tokenizer.pad_token_id,
-            batch_size=self.batch_size,
+            batch_size=self.batch_size,  # and what fits the free memory (generation.budget)
+            seed=spec.seed,
         )
         lengths = seqs.response_mask.sum(-1).tolist()
         texts = [

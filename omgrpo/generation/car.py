@@ -24,7 +24,14 @@ from omgrpo.core.car import (
     read_pair_answer,
     scan_braces,
 )
-from omgrpo.generation.engine import decode, prefix_tree_forward, stop_token_ids
+from omgrpo.generation.budget import model_chunk_rows
+from omgrpo.generation.engine import (
+    decode,
+    draw_seed,
+    prefix_tree_forward,
+    row_uniforms,
+    stop_token_ids,
+)
 from omgrpo.tasks import render_prompt
 
 __all__ = ["generate_pair_answers", "generate_pair_answers_plain"]
@@ -53,10 +60,10 @@ class _BraceTracker:
         return close >= 0
 
 
-def _decode_answers(model, tokenizer, prefill, cfg) -> list[list[int]]:
-    """Sample up to `max_new_tokens` per row (`omgrpo.generation.engine.decode`), a row stopping at the
-    brace that closes the prompt's `\\boxed{` or at an eos. Returns each row's tokens (closing
-    piece and eos included)."""
+def _decode_answers(model, tokenizer, prefill, cfg, uniforms) -> list[list[int]]:
+    """Sample up to `max_new_tokens` per row (`omgrpo.generation.engine.decode`, row b drawn
+    with `uniforms[b]`), a row stopping at the brace that closes the prompt's `\\boxed{` or at
+    an eos. Returns each row's tokens (closing piece and eos included)."""
     logits, cache, mask, next_pos = prefill
     stops = set(stop_token_ids(tokenizer, model))
     braces = _BraceTracker(tokenizer, logits.shape[0])
@@ -79,6 +86,7 @@ def _decode_answers(model, tokenizer, prefill, cfg) -> list[list[int]]:
         top_p=cfg.top_p,
         stop=stop,
         pad_id=pad,
+        uniforms=uniforms,
     )
     return [row[:n] for row, n in zip(tokens.tolist(), lengths.tolist())]
 
@@ -92,15 +100,20 @@ def generate_pair_answers(
     groups: Sequence[tuple[str, Sequence[str]]],
     cfg: Any,
     rng: random.Random | int | None = None,
+    seed: int | None = None,
+    max_batch_tokens: int | None = None,
 ) -> CarResult:
     """Pair answers of one step with the current policy, sharing the KV cache of common
     prefixes (chunk -> question -> anchor -> pair).
 
     `groups`: (question, the G decoded rollout texts) per prompt; `cfg`: a `CarConfig` (or the
     `car` section of the config); `rng`: pair sampling when `pairs_per_anchor` is set (a
-    `random.Random` or a seed). Sampling uses the global torch RNG, like the rollout sampler.
+    `random.Random` or a seed). Pair row r samples with row r of `row_uniforms(seed, ...)`
+    (`seed` None: one draw from the global torch RNG), so the answers do not depend on the
+    chunks: at most `cfg.chunk_pairs` rows, at most `max_batch_tokens` K/V tokens or, without
+    it, what fits the device's free memory (`omgrpo.generation.budget`).
     """
-    return _generate(model, tokenizer, groups, cfg, rng, share_prefix=True)
+    return _generate(model, tokenizer, groups, cfg, rng, True, seed, max_batch_tokens)
 
 
 def generate_pair_answers_plain(
@@ -109,10 +122,12 @@ def generate_pair_answers_plain(
     groups: Sequence[tuple[str, Sequence[str]]],
     cfg: Any,
     rng: random.Random | int | None = None,
+    seed: int | None = None,
+    max_batch_tokens: int | None = None,
 ) -> CarResult:
     """Reference path: the same prompts and decoding as `generate_pair_answers`, each pair
     prompt prefilled whole in a left-padded batch (no prefix sharing)."""
-    return _generate(model, tokenizer, groups, cfg, rng, share_prefix=False)
+    return _generate(model, tokenizer, groups, cfg, rng, False, seed, max_batch_tokens)
 
 
 @contextmanager
@@ -134,12 +149,12 @@ def _attention_kernel(model: torch.nn.Module, prefer_sdpa: bool):
 
 
 @torch.no_grad()
-def _generate(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> CarResult:
+def _generate(model, tokenizer, groups, cfg, rng, share_prefix: bool, seed, tokens) -> CarResult:
     with _attention_kernel(model, getattr(cfg, "prefer_sdpa", True)):
-        return _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix)
+        return _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix, seed, tokens)
 
 
-def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> CarResult:
+def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix, seed, tokens) -> CarResult:
     if not isinstance(rng, random.Random):
         rng = random.Random(0 if rng is None else rng)
     pairs, heads, solutions, truncated = [], [], [], 0
@@ -159,8 +174,22 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
     ids_of = dict(zip(distinct, encoded))
     ids = [ids_of[text] for text in texts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    uniforms = None
+    if cfg.temperature > 0:
+        uniforms = row_uniforms(draw_seed() if seed is None else seed, len(ids), cfg.max_new_tokens)
+    chunk = model_chunk_rows(
+        model,
+        rows=len(ids),
+        group=1,
+        prompt_len=max(map(len, ids), default=0),
+        new_tokens=cfg.max_new_tokens,
+        top_p=cfg.top_p,
+        per_row=True,  # the prefix tree's last level copies each row's prompt cache
+        max_rows=max(1, int(cfg.chunk_pairs)),
+        max_batch_tokens=tokens,
+    )
     generated: list[list[int]] = []
-    for lo, hi in _anchor_chunks(flat, max(1, int(cfg.chunk_pairs))):
+    for lo, hi in _anchor_chunks(flat, chunk):
         rows = [list(r) for r in ids[lo:hi]]
         levels = []
         if share_prefix:
@@ -172,7 +201,8 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
                 [(g, solutions[g][i]) for g, i, _ in keys],
             ]
         prefill = prefix_tree_forward(model, rows, levels, pad)
-        generated.extend(_decode_answers(model, tokenizer, prefill, cfg))
+        draws = None if uniforms is None else uniforms[lo:hi]
+        generated.extend(_decode_answers(model, tokenizer, prefill, cfg, draws))
         del prefill
 
     result = CarResult(
@@ -190,7 +220,7 @@ def _generate_pairs(model, tokenizer, groups, cfg, rng, share_prefix: bool) -> C
 
 def _anchor_chunks(flat: list[tuple[int, int, int]], max_rows: int) -> list[tuple[int, int]]:
     """[lo, hi) row ranges of at most `max_rows` rows made of whole anchors (an anchor with
-    more pairs than `max_rows` gets a chunk of its own)."""
+    more pairs than `max_rows` is split into pieces of `max_rows`)."""
     bounds, lo, k = [], 0, 0
     while k < len(flat):
         end = k
@@ -199,6 +229,9 @@ def _anchor_chunks(flat: list[tuple[int, int, int]], max_rows: int) -> list[tupl
         if end - lo > max_rows and k > lo:
             bounds.append((lo, k))
             lo = k
+        while end - lo > max_rows:  # an anchor alone is too many rows
+            bounds.append((lo, lo + max_rows))
+            lo += max_rows
         k = end
     if lo < len(flat):
         bounds.append((lo, len(flat)))

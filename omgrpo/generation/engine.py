@@ -8,7 +8,7 @@ Decode (`decode`): one token per row per step on top of the prefill, a stop rule
 batch ends once every row has stopped. Two interchangeable backends:
 
 - `_LeanKV`, for Llama-family decoders (Llama, Qwen2, Qwen3): the model's own modules, a KV cache
-  preallocated for the new tokens, and attention split into the shared prefix (kept once per
+  for the new tokens grown as they come, and attention split into the shared prefix (kept once per
   prefix node and read by all of its rows, never copied per row) and each row's own new tokens.
   It skips the per-call work of an HF forward (mask building, cache concatenation, repeating KV
   heads), which is most of a decode step for a small model.
@@ -23,6 +23,10 @@ Not under HF gradient checkpointing in train mode, which drops the prompt's cach
 wraps these direct module calls: the update then runs the plain HF forward
 (`omgrpo.generation.rollout.hf_checkpointing`).
 
+Sampling draws one uniform per row and new token from the caller's `row_uniforms`, never from
+a batch-wide RNG: a row's tokens do not depend on which rows are decoded beside it, so callers
+may split rows into chunks of any size (`omgrpo.generation.budget`) and get the same rows.
+
 Layout: a prefill is left-padded per tree level, so the cache holds padding that an attention
 mask (1 = real token) hides; position ids count real tokens only, so padding never changes a
 row's result.
@@ -30,6 +34,7 @@ row's result.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -37,9 +42,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-# Decoder families `_LeanKV` implements: pre-norm blocks, rotary attention with grouped KV heads
-# (optional per-head q/k norms, as Qwen3), gated MLP, no sliding window or logit soft-capping.
-LEAN_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+from omgrpo.generation.budget import LEAN_MODEL_TYPES  # the decoder families `_LeanKV` runs
+
+GROW_FROM = 256  # new tokens the lean decoder's cache holds at first; it doubles when full
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +96,11 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,). temperature 0 is greedy."""
+def sample_next_token(
+    logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,), row b drawn with `uniforms[b]` in [0, 1) (default: the
+    global torch RNG). temperature 0 is greedy."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -102,24 +110,45 @@ def sample_next_token(logits: torch.Tensor, temperature: float, top_p: float) ->
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return sample_categorical(probs)
+    return sample_categorical(probs, uniforms)
 
 
-def sample_categorical(probs: torch.Tensor) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row of (B, V) non-negative weights -> (B,), by inverting each row's CDF
-    with one uniform per row. (`torch.multinomial` draws B x V exponentials, which on the CPU
-    cost ~4 ms per toy decode step at 512 x 390, a quarter of generation.) A token of weight 0
-    is never drawn."""
+    with one uniform per row (`uniforms` (B,) in [0, 1), default: the global torch RNG).
+    (`torch.multinomial` draws B x V exponentials, which on the CPU cost ~4 ms per toy decode
+    step at 512 x 390, a quarter of generation.) A token of weight 0 is never drawn."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
     if not bool(torch.isfinite(total).all() and (total > 0).all()):
         raise ValueError("sampling weights must be finite, non-negative and not all zero")
-    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * total
+    if uniforms is None:
+        uniforms = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device)
+    u = uniforms.to(cdf.dtype).view(total.shape) * total
     # the first position whose cumulative weight exceeds u (u < total, so one exists up to
     # round-off; at u == total the last token of positive weight)
     index = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
     return torch.minimum(index, last_positive)
+
+
+def row_uniforms(seed: int, rows: int, width: int) -> torch.Tensor:
+    """(rows, width) uniforms in [0, 1) on the CPU: row r's draws for its `width` new tokens.
+    One generator filled row-major, so row r's draws depend on the seed, r and `width` only,
+    never on how the rows are chunked."""
+    return torch.rand((rows, width), generator=torch.Generator().manual_seed(seed))
+
+
+def stream_seed(*keys: object) -> int:
+    """A 63-bit seed named by `keys`, e.g. (seed, "rollout", step): distinct names give
+    unrelated streams (`random.Random` hashes a string seed with SHA-512)."""
+    return random.Random("-".join(map(str, keys))).getrandbits(63)
+
+
+def draw_seed() -> int:
+    """A seed drawn from the global torch RNG, for callers that set none: one draw per call,
+    so a saved RNG state reproduces the samples."""
+    return int(torch.randint(0, 2**63 - 1, (1,)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -253,17 +282,23 @@ def decode(
     top_p: float,
     stop: StopRule,
     pad_id: int,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to `max_new_tokens` per row on top of a prefill (`prefix_tree_forward`'s last
     logits (U, V), cache, mask, next positions), `group` rows per prefilled row (rows
     [u*group, (u+1)*group) continue prefilled row u). A row ends with the token its `stop` rule
-    flags; the loop ends once every row has ended. Uses the global torch RNG.
+    flags; the loop ends once every row has ended. Row b's token t is drawn with
+    `uniforms[b, t]` ((B, max_new_tokens), `row_uniforms`; needed when temperature > 0).
 
     Returns (tokens (B, T), lengths (B,)): row b's tokens are tokens[b, :lengths[b]], its stop
     token included; the rest is `pad_id`. Rows that never stop have length `max_new_tokens`.
     """
     device = logits.device
     batch = logits.shape[0] * group
+    if temperature > 0 and uniforms is None:
+        raise ValueError("decode: sampling at temperature > 0 needs the rows' uniforms")
+    if uniforms is not None:
+        uniforms = uniforms.to(device)
     if group > 1:
         logits = logits.repeat_interleave(group, dim=0)
     backend = _LeanKV if lean_decoding_supported(model) else _HFKV
@@ -273,7 +308,8 @@ def decode(
     rows = torch.arange(batch, device=device)  # row at each batch position
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     for step in range(max_new_tokens):
-        tok = sample_next_token(logits, temperature, top_p)
+        draws = uniforms[rows, step] if uniforms is not None else None
+        tok = sample_next_token(logits, temperature, top_p, draws)
         tok = tok.masked_fill(~alive, pad_id)
         out[rows, step] = tok
         open_pos = alive.nonzero().squeeze(1)
@@ -340,17 +376,24 @@ class _HFKV:
 class _LeanKV:
     """Llama-family decoding with the model's own modules: the prefill's cache is the shared
     prefix (one copy per prefilled row, read by its `group` rows through a batched matmul),
-    new tokens go to a cache preallocated per row, and attention is one softmax over both."""
+    new tokens go to a cache per row, and attention is one softmax over both.
+
+    The new tokens' cache starts at `GROW_FROM` tokens and doubles when full (up to
+    `max_new_tokens`): most rows end long before the longest, so the cache is sized by the
+    responses, not preallocated at full length. Growing and dropping rows replace one layer's
+    K or V at a time, so at most one layer's old copy is alive beside the cache."""
 
     def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
         self.model = model
         self.prefix_k, self.prefix_v = cache_tensors(cache)
+        for layer in cache.layers:  # decode consumes the prefill: the tensors are ours now
+            layer.keys = layer.values = None
         nodes, kv_heads, _, head_dim = self.prefix_k[0].shape
         dtype, device = self.prefix_k[0].dtype, self.prefix_k[0].device
         self.bias = padding_bias(mask, dtype)
-        self.group, self.t = group, 0
+        self.group, self.t, self.max_new_tokens = group, 0, max_new_tokens
         self.pos = next_pos.repeat_interleave(group, dim=0)
-        shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
+        shape = (nodes * group, kv_heads, min(GROW_FROM, max_new_tokens), head_dim)
         n_layers = len(model.model.layers)
         self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
@@ -364,12 +407,23 @@ class _LeanKV:
 
     def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
         """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
+        if self.t == self.new_k[i].shape[2]:
+            self._grow(i)
         self.new_k[i][:, :, self.t] = k[:, :, 0]
         self.new_v[i][:, :, self.t] = v[:, :, 0]
         t = self.t + 1
         own = (self.new_k[i][:, :, :t], self.new_v[i][:, :, :t], None)
         prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
         return prefix_attention(q, prefix, own, self.group, scaling)
+
+    def _grow(self, i: int) -> None:
+        """Double layer i's cache of new tokens (at most `max_new_tokens`), keeping its tokens."""
+        for cache in (self.new_k, self.new_v):
+            old = cache[i]
+            width = min(2 * old.shape[2], self.max_new_tokens)
+            cache[i] = old.new_empty((*old.shape[:2], width, old.shape[3]))
+            cache[i][:, :, : self.t] = old[:, :, : self.t]
+            del old
 
     def rows_to_keep(self, alive: torch.Tensor) -> torch.Tensor:
         """Batch positions of the prefix nodes with a row still alive (all of their rows)."""
@@ -379,11 +433,14 @@ class _LeanKV:
     def keep(self, index: torch.Tensor) -> None:
         """Keep the rows at `index`: whole prefix nodes (`rows_to_keep`)."""
         nodes = index[:: self.group] // self.group
-        self.prefix_k = [k.index_select(0, nodes) for k in self.prefix_k]
-        self.prefix_v = [v.index_select(0, nodes) for v in self.prefix_v]
+        # one layer at a time: the old copy of a layer is freed before the next is copied
+        for cache, rows in ((self.prefix_k, nodes), (self.prefix_v, nodes)):
+            for i in range(len(cache)):
+                cache[i] = cache[i].index_select(0, rows)
+        for cache in (self.new_k, self.new_v):
+            for i in range(len(cache)):
+                cache[i] = cache[i].index_select(0, index)
         self.bias = self.bias[nodes]
-        self.new_k = [k.index_select(0, index) for k in self.new_k]
-        self.new_v = [v.index_select(0, index) for v in self.new_v]
         self.pos = self.pos[index]
 
 

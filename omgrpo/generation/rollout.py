@@ -16,12 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from omgrpo.core.losses import token_logprobs_and_entropy
+from omgrpo.generation.budget import model_chunk_rows, row_chunks
 from omgrpo.generation.engine import (
     decode,
+    draw_seed,
     lean_decoding_supported,
     left_pad,
     prefix_tree_forward,
     right_pad,
+    row_uniforms,
     shared_prompt_logits,
     stop_token_ids,
 )
@@ -84,26 +87,59 @@ def sample(
     eos_id: int | list[int],
     pad_id: int,
     batch_size: int | None = None,
+    max_batch_tokens: int | None = None,
+    seed: int | None = None,
 ) -> Sequences:
     """Sample `n` responses per prompt with a KV cache; rows [i*n, (i+1)*n) belong to prompt i.
 
     The prompts' common prefix (the chat template's system turn) is prefilled once and each
-    prompt once for its n rollouts (`omgrpo.generation.engine`). `eos_id` may list several stop tokens
-    (chat models end turns with e.g. `<|im_end|>` while their tokenizer's eos is
-    `<|endoftext|>`). `batch_size` bounds the rollouts generated at once (whole prompts). Uses
-    the global torch RNG, so a checkpoint's RNG state reproduces the samples.
+    prompt once for its n rollouts (`omgrpo.generation.engine`). `eos_id` may list several stop
+    tokens (chat models end turns with e.g. `<|im_end|>` while their tokenizer's eos is
+    `<|endoftext|>`).
+
+    Rows are generated in chunks (`omgrpo.generation.budget.row_chunks`): at most `batch_size`
+    rows, and at most `max_batch_tokens` K/V tokens, or, without it, what fits the device's
+    free memory now. Row r draws its tokens from row r of `row_uniforms(seed, ...)`, so the
+    result does not depend on the chunks; `seed` None draws one from the global torch RNG (a
+    checkpoint's RNG state then reproduces the samples).
     """
-    per_chunk = max(1, (batch_size or n * len(prompts)) // n)
-    parts = [
-        _sample_chunk(
-            model, prompts[i : i + per_chunk], n, max_new_tokens, temperature, top_p, eos_id, pad_id
+    rows = n * len(prompts)
+    chunk = model_chunk_rows(
+        model,
+        rows=rows,
+        group=n,
+        prompt_len=max(map(len, prompts)),
+        new_tokens=max_new_tokens,
+        top_p=top_p,
+        max_rows=batch_size,
+        max_batch_tokens=max_batch_tokens,
+    )
+    uniforms = None
+    if temperature > 0:
+        uniforms = row_uniforms(draw_seed() if seed is None else seed, rows, max_new_tokens)
+    parts = []
+    for lo, hi in row_chunks(len(prompts), n, chunk):
+        group = min(n, hi - lo)  # all of each prompt's rows, or a piece of one prompt's
+        parts.append(
+            _sample_chunk(
+                model,
+                prompts[lo // n : -(-hi // n)],
+                group,
+                max_new_tokens,
+                temperature,
+                top_p,
+                eos_id,
+                pad_id,
+                None if uniforms is None else uniforms[lo:hi],
+            )
         )
-        for i in range(0, len(prompts), per_chunk)
-    ]
     return _concat(parts, pad_id)
 
 
-def _sample_chunk(model, prompts, n, max_new_tokens, temperature, top_p, eos_id, pad_id):
+def _sample_chunk(
+    model, prompts, n, max_new_tokens, temperature, top_p, eos_id, pad_id, uniforms
+) -> Sequences:
+    """`n` rows of each of `prompts`, in one decode batch."""
     device = next(model.parameters()).device
     stops = torch.tensor(eos_id if isinstance(eos_id, list) else [eos_id], device=device)
     logits, cache, mask, next_pos = prefix_tree_forward(
@@ -121,6 +157,7 @@ def _sample_chunk(model, prompts, n, max_new_tokens, temperature, top_p, eos_id,
         top_p=top_p,
         stop=lambda rows, tokens: torch.isin(tokens, stops),
         pad_id=pad_id,
+        uniforms=uniforms,
     )
     # A token is part of the response up to and including the first stop token.
     response_mask = (torch.arange(response.shape[1], device=device) < lengths[:, None]).long()

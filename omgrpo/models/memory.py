@@ -14,17 +14,22 @@ planned at its longest: a batch is padded to its longest row).
   next update's `zero_grad`), AdamW's two moments 2·P·b (torch keeps them in the parameters'
   dtype).
 - **K/V cache**, closed form: L · 2 · Hkv · D · b bytes per token. Generation (`_LeanKV`)
-  holds the prompts' cache once per prompt and preallocates T new tokens for every row:
-  tokens = prompts · p + rows · T. Dropping finished rows re-indexes K, then V, while the old
-  copy is alive: up to 7/16 more (`KEEP_COPY`).
-- **generation** (training rollouts, validation, CAR): K/V (with `KEEP_COPY`) + the prefill's
+  holds the prompts' cache once per prompt and grows each row's cache up to T new tokens:
+  tokens = prompts · p + rows · T at most. Growing the cache or dropping finished rows copies
+  one layer's K or V while the old one is alive: 1 / (2L) more.
+- **generation** (training rollouts, validation, CAR), per chunk (`omgrpo.generation.budget`,
+  the formulas the samplers size their chunks with): K/V (with the copy) + the prefill's
   working set of one layer over all prompt tokens, tokens · (b·(2h + 2·H·D + 2·Hkv·D + 3I) +
   8h) (the 8h: RMSNorm's fp32 copies), + sampling over rows × V: b + 12 bytes per element
-  (fp32 probabilities, cumulative sums), b + 32 with top-p < 1 (sort values, int64 order).
-  Today the training step generates all prompts_per_step · rollout.n rows at once (rollout
-  chunking is not implemented yet: issue 25); validation in chunks of eval.batch_size rows;
-  CAR in chunks of car.chunk_pairs pairs, each row's prompt p + 2 · car.max_solution_tokens +
-  `CAR_TEMPLATE_TOKENS` copied per row.
+  (fp32 probabilities, cumulative sums), b + 32 with top-p < 1 (sort values, int64 order), +
+  the rows' uniform draws (4 bytes per row and new token). A chunk is the most rows (whole
+  prompts with their rollout.n rows, else part of one prompt's) whose transient fits what the
+  resident state leaves of the device, or whose K/V holds at most rollout.max_batch_tokens
+  tokens when that is set; validation at most eval.batch_size rows, CAR at most
+  car.chunk_pairs pairs, each row's prompt p + 2 · car.max_solution_tokens +
+  `CAR_TEMPLATE_TOKENS` copied per row. The run sizes its chunks from the free memory it
+  measures before each generation, so its chunks may differ from the plan's; the samples do
+  not (each row draws from its own stream).
 - **scoring** (old / reference log-probs, no grad), m = algorithm.micro_batch_size rows: the
   micro-batch's prompt K/V, one layer's working set of a chunk of rows, and the logits: the
   fp32 logits, their fp32 log-softmax and the entropy's fp32 exp, 12 bytes per m·T·V element
@@ -54,12 +59,20 @@ from typing import Any
 
 import torch
 
-from omgrpo.generation.engine import LEAN_MODEL_TYPES
+from omgrpo.generation.budget import (
+    HEADROOM,
+    LEAN_MODEL_TYPES,  # noqa: F401  (re-exported: the planner's public names)
+    ModelShape,
+    chunk_rows,
+    generation_bytes,
+    kv_cache_bytes,
+    kv_tokens,
+    largest,
+    layer_work_bytes,
+)
 from omgrpo.models.loading import resolve_dtype
 
 GIB = 2**30
-HEADROOM = 0.9  # share of device memory a stage may plan to use
-KEEP_COPY = 7 / 16  # decode's row drop: K (or V) re-indexed to <= 7/8 while the old is alive
 CAR_TEMPLATE_TOKENS = 64  # CAR's pair prompt around the question and the two solutions
 # Whether model.gradient_checkpointing=true checkpoints the update of a Llama / Qwen2 / Qwen3
 # model. The lean scorer (generation/engine.lean_forward) cannot: it calls each block's modules
@@ -71,32 +84,13 @@ KNOBS = (
     "rollout.n",
     "trainer.prompts_per_step",
     "rollout.max_new_tokens",
+    "rollout.max_batch_tokens",
+    "car.max_solution_tokens",
     "eval.batch_size",
     "algorithm.micro_batch_size",
     "model.gradient_checkpointing",
     "model.dtype",
 )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the plan needs of a model: its exact parameter count and its shapes."""
-
-    name: str
-    model_type: str
-    params: int
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    lean: bool  # generated and scored by the engine's Llama-family path
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """K/V bytes per token of one row: layers × 2 × kv_heads × head_dim × bytes."""
-        return self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,21 +102,8 @@ def model_shape(model_dir: str) -> ModelShape:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    heads = config.num_attention_heads
-    return ModelShape(
-        name=(getattr(config, "architectures", None) or [type(model).__name__])[0],
-        model_type=config.model_type,
-        params=sum(p.numel() for p in model.parameters()),
-        layers=config.num_hidden_layers,
-        hidden=config.hidden_size,
-        heads=heads,
-        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-        intermediate=config.intermediate_size,
-        vocab=config.vocab_size,
-        lean=config.model_type in LEAN_MODEL_TYPES
-        and not getattr(config, "use_sliding_window", False),
-    )
+    name = (getattr(config, "architectures", None) or [type(model).__name__])[0]
+    return ModelShape.from_config(config, sum(p.numel() for p in model.parameters()), name)
 
 
 @dataclass(frozen=True)
@@ -150,6 +131,7 @@ class Sizes:
     car_prompt_len: int
     car_new_tokens: int
     car_top_p: float
+    max_batch_tokens: int | None = None  # rollout.max_batch_tokens (None: sized from memory)
 
     @property
     def rows(self) -> int:
@@ -194,26 +176,23 @@ def sizes_from_config(cfg: Any, device_type: str) -> Sizes:
         car_prompt_len=r.max_prompt_len + 2 * solution + CAR_TEMPLATE_TOKENS,
         car_new_tokens=cfg.car.max_new_tokens,
         car_top_p=cfg.car.top_p,
+        max_batch_tokens=r.max_batch_tokens,
     )
 
 
 def _car_rows(rollouts: int, per_anchor: int, chunk_pairs: int) -> int:
     """Pair rows of CAR's largest chunk: whole anchors of `per_anchor` pairs, at most
-    `chunk_pairs` rows unless one anchor has more (generation/car._anchor_chunks)."""
+    `chunk_pairs` rows (an anchor with more is split: generation/car._anchor_chunks)."""
     total = rollouts * per_anchor
     if per_anchor == 0:
         return 0
-    return min(total, max(per_anchor, chunk_pairs // per_anchor * per_anchor))
+    whole = chunk_pairs // per_anchor * per_anchor
+    return min(total, whole if whole else chunk_pairs)
 
 
 # ----------------------------------------------------------------------------------------
 # Bytes (module docstring: the formulas)
 # ----------------------------------------------------------------------------------------
-def kv_cache_bytes(shape: ModelShape, dtype_bytes: int, tokens: int) -> int:
-    """Closed form: layers × 2 × kv_heads × head_dim × bytes × tokens."""
-    return shape.kv_bytes_per_token(dtype_bytes) * tokens
-
-
 def resident_bytes(shape: ModelShape, s: Sizes) -> dict[str, int]:
     """What stays on the device through a step (from step 2 on)."""
     weights = shape.params * s.dtype_bytes
@@ -225,12 +204,6 @@ def resident_bytes(shape: ModelShape, s: Sizes) -> dict[str, int]:
     }
 
 
-def _layer_work_bytes(shape: ModelShape, b: int) -> int:
-    """One layer's working set per token without grad (input, norm in fp32, q/k/v, MLP)."""
-    h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return b * (2 * h + 2 * qd + 2 * kvd + 3 * shape.intermediate) + 8 * h
-
-
 def _layer_saved_bytes(shape: ModelShape, b: int) -> int:
     """Activations one layer saves for backward, per token."""
     h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -240,30 +213,75 @@ def _layer_saved_bytes(shape: ModelShape, b: int) -> int:
     return saved
 
 
-def _sampling_bytes(shape: ModelShape, b: int, rows: int, top_p: float) -> int:
-    return rows * shape.vocab * (b + (32 if top_p < 1.0 else 12))
-
-
 def generation_kv_bytes(shape: ModelShape, s: Sizes, prompts: int, rows: int, new: int) -> int:
     """K/V of `rows` rows of `prompts` prompts decoding `new` tokens: the lean decoder keeps
     each prompt once, the HF cache once per row."""
-    prompt_rows = prompts if shape.lean else rows
-    return kv_cache_bytes(shape, s.dtype_bytes, prompt_rows * s.prompt_len + rows * new)
+    tokens = kv_tokens(shape, prompts, rows, s.prompt_len, new, per_row=False)
+    return kv_cache_bytes(shape, s.dtype_bytes, tokens)
 
 
 def _generation_bytes(shape: ModelShape, s: Sizes, rows: int, group: int, top_p: float) -> int:
-    prompts = math.ceil(rows / group)
-    kv = generation_kv_bytes(shape, s, prompts, rows, s.new_tokens)
-    prefill = prompts * s.prompt_len * _layer_work_bytes(shape, s.dtype_bytes)
-    sampling = _sampling_bytes(shape, s.dtype_bytes, rows, top_p)
-    return int(kv * (1 + KEEP_COPY)) + prefill + sampling
+    """A chunk of `rows` rollout or validation rows, `group` per prompt."""
+    return generation_bytes(
+        shape,
+        s.dtype_bytes,
+        prompts=math.ceil(rows / group),
+        rows=rows,
+        prompt_len=s.prompt_len,
+        new_tokens=s.new_tokens,
+        top_p=top_p,
+    )
 
 
 def _car_bytes(shape: ModelShape, s: Sizes, rows: int) -> int:
     # the prefix tree's last level copies each row's whole prompt cache
-    kv = kv_cache_bytes(shape, s.dtype_bytes, rows * (s.car_prompt_len + s.car_new_tokens))
-    prefill = rows * s.car_prompt_len * _layer_work_bytes(shape, s.dtype_bytes)
-    return int(kv * (1 + KEEP_COPY)) + prefill + _sampling_bytes(shape, s.dtype_bytes, rows, 1.0)
+    return generation_bytes(
+        shape,
+        s.dtype_bytes,
+        prompts=rows,
+        rows=rows,
+        prompt_len=s.car_prompt_len,
+        new_tokens=s.car_new_tokens,
+        top_p=s.car_top_p,
+        per_row=True,
+    )
+
+
+def _chunk(shape: ModelShape, s: Sizes, stage: str, budget: int | None) -> int:
+    """Rows of the largest chunk of a generation stage, as the sampler sizes it
+    (`omgrpo.generation.budget.chunk_rows`): `budget` bytes of transient, or
+    rollout.max_batch_tokens when set."""
+    if stage == "car":
+        rows, group, prompt_len, new, top_p = (
+            s.car_rows,
+            1,
+            s.car_prompt_len,
+            s.car_new_tokens,
+            s.car_top_p,
+        )
+    elif stage == "validation":
+        rows, group, prompt_len, new, top_p = (
+            s.eval_rows,
+            s.eval_k,
+            s.prompt_len,
+            s.new_tokens,
+            s.eval_top_p,
+        )
+    else:
+        rows, group, prompt_len, new, top_p = s.rows, s.n, s.prompt_len, s.new_tokens, s.top_p
+    got = chunk_rows(
+        shape,
+        s.dtype_bytes,
+        rows=rows,
+        group=group,
+        prompt_len=prompt_len,
+        new_tokens=new,
+        top_p=top_p,
+        per_row=stage == "car",
+        max_batch_tokens=s.max_batch_tokens,
+        budget_bytes=None if s.max_batch_tokens is not None else budget,
+    )
+    return _car_rows(rows, s.car_pairs_per_anchor, got) if stage == "car" else got
 
 
 def _scoring_bytes(shape: ModelShape, s: Sizes, micro: int) -> int:
@@ -271,7 +289,7 @@ def _scoring_bytes(shape: ModelShape, s: Sizes, micro: int) -> int:
     chunk = math.ceil(micro / max(4, math.ceil(micro / 64)))  # engine.shared_prompt_logits
     prompts = kv_cache_bytes(shape, b, micro * s.prompt_len)
     per_layer_kv = shape.kv_bytes_per_token(b) // shape.layers
-    work = chunk * ((s.prompt_len + t) * per_layer_kv + t * _layer_work_bytes(shape, b))
+    work = chunk * ((s.prompt_len + t) * per_layer_kv + t * layer_work_bytes(shape, b))
     return prompts + work + micro * t * shape.vocab * (16 if s.stats else 12)
 
 
@@ -296,18 +314,24 @@ def _update_bytes(shape: ModelShape, s: Sizes, micro: int) -> int:
     return acts + micro * s.new_tokens * shape.vocab * 16
 
 
-def stage_transients(shape: ModelShape, s: Sizes) -> dict[str, tuple[int, int]]:
-    """Stage -> (rows at once, transient bytes) for the stages this config runs."""
-    out = {"generation": (s.rows, _generation_bytes(shape, s, s.rows, s.n, s.top_p))}
+def stage_transients(
+    shape: ModelShape, s: Sizes, budget: int | None = None
+) -> dict[str, tuple[int, int]]:
+    """Stage -> (rows at once, transient bytes) for the stages this config runs; generation,
+    CAR and validation in chunks of at most `budget` transient bytes (None: unbounded) or
+    rollout.max_batch_tokens K/V tokens."""
+    rows = _chunk(shape, s, "generation", budget)
+    out = {"generation": (rows, _generation_bytes(shape, s, rows, s.n, s.top_p))}
     if s.car_rows:
-        out["car"] = (s.car_rows, _car_bytes(shape, s, s.car_rows))
+        car = _chunk(shape, s, "car", budget)
+        out["car"] = (car, _car_bytes(shape, s, car))
     if s.old_pass or s.ref:
         out["scoring"] = (s.micro, _scoring_bytes(shape, s, s.micro))
     out["update"] = (s.micro, _update_bytes(shape, s, s.micro))
     out["optimizer_step"] = (0, shape.params * s.dtype_bytes)
     if s.eval_rows:
-        val = _generation_bytes(shape, s, s.eval_rows, s.eval_k, s.eval_top_p)
-        out["validation"] = (s.eval_rows, val)
+        val = _chunk(shape, s, "validation", budget)
+        out["validation"] = (val, _generation_bytes(shape, s, val, s.eval_k, s.eval_top_p))
     return out
 
 
@@ -333,7 +357,7 @@ class MemoryPlan:
     resident: dict[str, int]
     components: dict[str, int]
     stages: list[Stage]
-    generation_chunk_rows: int  # the largest generation chunk (whole prompts) that fits
+    generation_chunk_rows: int  # rows of the largest rollout chunk (`stage_transients`)
     notes: list[str]
 
     @property
@@ -360,14 +384,7 @@ class MemoryPlan:
             for st in failing
         ]
         head = f"does not fit on {gib(self.device_bytes)} GiB (a stage may use {gib(self.usable_bytes)})"
-        text = f"{head}: {'; '.join(parts)}"
-        names = {st.name for st in failing}
-        if "generation" in names and "optimizer_step" not in names:
-            text += (
-                f". Generation would need chunks of at most {self.generation_chunk_rows} rows, "
-                "and rollout chunking is not implemented yet (issue 25): shrink the step instead"
-            )
-        return text
+        return f"{head}: {'; '.join(parts)}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -389,7 +406,8 @@ class MemoryPlan:
             ],
             "generation_rows": self.sizes.rows,
             "generation_chunk_rows": self.generation_chunk_rows,
-            "generation_chunks_supported": False,
+            "generation_chunks_supported": True,
+            "chunk_rows": {st.name: st.rows for st in self.stages if st.name in CHUNKED},
             "fits": self.fits,
             "refusal": self.refusal(),
             "knobs": list(KNOBS),
@@ -425,30 +443,31 @@ def plan_memory(
 def build_plan(shape: ModelShape, s: Sizes, device_bytes: int, model_dir: str = "") -> MemoryPlan:
     resident = resident_bytes(shape, s)
     usable = int(device_bytes * HEADROOM)
+    budget = usable - sum(resident.values())  # what the chunks of a generation stage may use
     stages = []
-    for name, (rows, transient) in stage_transients(shape, s).items():
+    for name, (rows, transient) in stage_transients(shape, s, budget).items():
         peak = sum(resident.values()) + transient
         knobs = [] if peak <= usable else stage_knobs(shape, s, name, usable)
         stages.append(Stage(name, rows, transient, peak, peak <= usable, knobs))
-    fit_prompts = _largest(
-        lambda p: _fits(shape, dataclasses.replace(s, prompts=p), "generation", usable), s.prompts
-    )
     return MemoryPlan(
         model_dir=model_dir,
         shape=shape,
         sizes=s,
         device_bytes=device_bytes,
         resident=resident,
-        components=_components(shape, s),
+        components=_components(shape, s, stages[0].rows),
         stages=stages,
-        generation_chunk_rows=fit_prompts * s.n,
-        notes=_notes(shape, s),
+        generation_chunk_rows=stages[0].rows,
+        notes=_notes(s, stages[0].rows),
     )
 
 
-def _components(shape: ModelShape, s: Sizes) -> dict[str, int]:
+def _components(shape: ModelShape, s: Sizes, chunk: int) -> dict[str, int]:
+    prompts = math.ceil(chunk / s.n)
     return {
+        # all of a step's rows at once (what an unchunked sampler would hold), and one chunk
         "kv_cache_generation": generation_kv_bytes(shape, s, s.prompts, s.rows, s.new_tokens),
+        "kv_cache_generation_chunk": generation_kv_bytes(shape, s, prompts, chunk, s.new_tokens),
         "kv_cache_per_token_row": shape.kv_bytes_per_token(s.dtype_bytes),
         "activations_update": activation_bytes(shape, s, s.micro, checkpointing=False),
         "activations_update_checkpointed": activation_bytes(shape, s, s.micro, checkpointing=True),
@@ -457,46 +476,33 @@ def _components(shape: ModelShape, s: Sizes) -> dict[str, int]:
 
 
 def _fits(shape: ModelShape, s: Sizes, stage: str, usable: int) -> bool:
-    transients = stage_transients(shape, s)
-    return (
-        stage in transients
-        and sum(resident_bytes(shape, s).values()) + transients[stage][1] <= usable
-    )
-
-
-def _largest(fits, hi: int) -> int:
-    """The largest k in [1, hi] with fits(k) (monotone), 0 when none."""
-    lo, best = 1, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best
+    resident = sum(resident_bytes(shape, s).values())
+    transients = stage_transients(shape, s, usable - resident)
+    return stage in transients and resident + transients[stage][1] <= usable
 
 
 def stage_knobs(shape: ModelShape, s: Sizes, stage: str, usable: int) -> list[str]:
     """Settings of today's knobs that make `stage` fit, each alone (the others unchanged)."""
 
     def best(key: str, hi: int, vary, scale: int = 1, low: int = 1) -> list[str]:
-        k = _largest(lambda v: _fits(shape, dataclasses.replace(s, **vary(v)), stage, usable), hi)
+        k = largest(lambda v: _fits(shape, dataclasses.replace(s, **vary(v)), stage, usable), hi)
         return [f"{key}={k * scale}"] if k >= low else []
 
     tokens = best("rollout.max_new_tokens", s.new_tokens, lambda t: {"new_tokens": t})
-    if stage == "generation":
-        per_step = best(
-            "trainer.prompts_per_step",
-            s.prompts // s.prompt_copies,
-            lambda p: {"prompts": p * s.prompt_copies},
-        )
-        return per_step + best("rollout.n", s.n, lambda n: {"n": n}, low=2) + tokens
-    if stage == "validation":
-        k = s.eval_k
-        return best("eval.batch_size", s.eval_rows // k, lambda q: {"eval_rows": q * k}, k) + tokens
+    if stage in CHUNKED and s.max_batch_tokens is not None:
+        # an explicit chunk too large for the device: sizing from the free memory may fit
+        auto = dataclasses.replace(s, max_batch_tokens=None)
+        if _fits(shape, auto, stage, usable):
+            return ["rollout.max_batch_tokens=null"]
+    if stage in ("generation", "validation"):
+        return tokens  # chunks shrink to one row: only a row's length is left
     if stage == "car":
-        a = s.car_pairs_per_anchor
-        return best("car.chunk_pairs", s.car_rows // a, lambda q: {"car_rows": q * a}, a)
+        base = s.car_prompt_len - 2 * _solution_tokens(s)
+        return best(
+            "car.max_solution_tokens",
+            _solution_tokens(s),
+            lambda t: {"car_prompt_len": base + 2 * t},
+        )
     if stage in ("scoring", "update"):
         knobs = best("algorithm.micro_batch_size", s.micro, lambda m: {"micro": m})
         checkpointed = dataclasses.replace(s, checkpointing=True)
@@ -515,19 +521,28 @@ def stage_knobs(shape: ModelShape, s: Sizes, stage: str, usable: int) -> list[st
     return [*knobs, "a larger device, or the verl backend with parameter / optimizer offload"]
 
 
-def _notes(shape: ModelShape, s: Sizes) -> list[str]:
-    notes = [
-        f"generation_chunks_supported=false: a training step generates all {s.rows} rows at "
-        "once; rollout chunking is not implemented yet (issue 25)",
+def _solution_tokens(s: Sizes) -> int:
+    return (s.car_prompt_len - s.prompt_len - CAR_TEMPLATE_TOKENS) // 2
+
+
+def _notes(s: Sizes, chunk: int) -> list[str]:
+    sized = (
+        f"rollout.max_batch_tokens={s.max_batch_tokens}"
+        if s.max_batch_tokens is not None
+        else "the memory the resident state leaves (the run measures its free memory)"
+    )
+    return [
+        f"generation in chunks: {chunk} of the step's {s.rows} rows at once, sized by {sized}; "
+        "the samples do not depend on the chunks",
         "planned, not measured: no GPU has run these figures and `omgrpo bench memory` is "
         "not written yet (issue 25)",
     ]
-    return notes
 
 
 # ----------------------------------------------------------------------------------------
 # Output, and the check `omgrpo train` runs at setup
 # ----------------------------------------------------------------------------------------
+CHUNKED = ("generation", "car", "validation")  # stages generated in chunks
 STAGE_LABELS = {
     "generation": "generation (rollouts)",
     "car": "CAR pair answers",
@@ -556,13 +571,13 @@ def format_plan(plan: MemoryPlan) -> str:
             f"{'yes' if st.fits else 'NO'}"
         )
     lines += [
-        f"K/V cache of the generation batch: {gib(c['kv_cache_generation'])} GiB "
-        f"({c['kv_cache_per_token_row']:,} bytes per token per row)",
+        f"K/V cache of a generation chunk: {gib(c['kv_cache_generation_chunk'])} GiB (all "
+        f"{s.rows} rows at once: {gib(c['kv_cache_generation'])} GiB; "
+        f"{c['kv_cache_per_token_row']:,} bytes per token per row)",
         f"update micro-batch of {s.micro} rows: activations {gib(c['activations_update'])} GiB "
         f"without / {gib(c['activations_update_checkpointed'])} GiB with gradient "
         f"checkpointing, logits {gib(c['logits_update'])} GiB",
-        f"generation: {s.rows} rows at once; the largest chunk that fits: "
-        f"{plan.generation_chunk_rows} rows (generation_chunks_supported: false)",
+        f"generation: {s.rows} rows per step, in chunks of {plan.generation_chunk_rows} rows",
         *[f"note: {n}" for n in plan.notes],
         "verdict: fits" if plan.fits else f"verdict: {plan.refusal()}",
     ]

@@ -214,13 +214,14 @@ def _measure(overrides: list[str], steps: int, source: Path | None = None) -> di
     """Mean per-step figures of one shape, trained in a fresh process (`source`: the omgrpo tree
     to import, default this one)."""
     # `python -c` imports from its working directory first: run in the tree to measure.
-    tree = Path(source or Path(__file__).resolve().parent.parent).resolve()
+    # this tree is the directory holding omgrpo/ (parents[2] of omgrpo/tools/bench.py)
+    tree = Path(source or Path(__file__).resolve().parents[2]).resolve()
     return _run_script(_MEASURE, [str(steps), *overrides], tree)
 
 
 def _measure_trl(overrides: list[str], steps: int) -> dict:
     """The same figures for TRL's GRPOTrainer on the same base and batch (`omgrpo.tools.trl_peer`)."""
-    return _run_script(_TRL_MEASURE, [str(steps), *overrides], Path(__file__).parent.parent)
+    return _run_script(_TRL_MEASURE, [str(steps), *overrides], Path(__file__).resolve().parents[2])
 
 
 def _run_script(script: str, argv: list[str], tree: Path) -> dict:

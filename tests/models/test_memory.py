@@ -70,19 +70,66 @@ def _plan_cli(capsys, *args: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("device_gb", ["80", "24"])
-def test_the_paper_preset_is_refused_naming_generation_and_a_knob(capsys, device_gb):
+def test_the_paper_presets_generation_fits_in_chunks(capsys):
+    """All 1024 rows at once would need 343 GiB of K/V; in chunks sized to what the resident
+    state leaves, generation, CAR and validation fit, and what is refused is the update."""
+    chunks = []
+    for device_gb in ("80", "24"):
+        code, plan = _plan_cli(
+            capsys, "experiment=paper", f"model.path={QWEN3}", "--device-gb", device_gb
+        )
+        assert code == 1 and plan["fits"] is False
+        stages = {st["name"]: st for st in plan["stages"]}
+        for name in ("generation", "car", "validation"):
+            assert stages[name]["fits"] and stages[name]["peak_gib"] <= plan["usable_gib"]
+            assert plan["chunk_rows"][name] == stages[name]["rows"]
+        assert plan["generation_chunks_supported"] is True
+        chunk = plan["generation_chunk_rows"]
+        assert chunk == stages["generation"]["rows"] and 0 < chunk < 1024
+        assert chunk % 8 == 0  # whole prompts with their rollout.n rows
+        assert not stages["update"]["fits"] and "update needs" in plan["refusal"]
+        assert "generation needs" not in plan["refusal"]
+        chunks.append(chunk)
+    assert chunks[0] > chunks[1]  # 56 GiB left for generation on 80 GiB, 5.6 GiB on 24
+
+
+def test_a_row_too_long_for_the_device_is_refused_naming_the_response_length(capsys):
     code, plan = _plan_cli(
-        capsys, "experiment=paper", f"model.path={QWEN3}", "--device-gb", device_gb
+        capsys,
+        "experiment=paper",
+        f"model.path={QWEN3}",
+        *SMALL[:1],
+        "rollout.max_new_tokens=600000",  # one row's K/V alone: 64 GiB
+        "--device-gb",
+        "80",
     )
-    assert code == 1 and plan["fits"] is False
     generation = next(st for st in plan["stages"] if st["name"] == "generation")
-    assert generation["rows"] == 1024 and not generation["fits"]
-    assert generation["knobs"][0].startswith("trainer.prompts_per_step=")
-    assert plan["generation_chunks_supported"] is False
-    assert 0 < plan["generation_chunk_rows"] < 1024
-    assert "generation needs" in plan["refusal"] and "trainer.prompts_per_step=" in plan["refusal"]
-    assert "rollout chunking is not implemented yet" in plan["refusal"]
+    assert code == 1 and not generation["fits"] and generation["rows"] == 1
+    assert generation["knobs"][0].startswith("rollout.max_new_tokens=")
+
+
+def test_an_explicit_max_batch_tokens_sets_the_chunk(capsys):
+    code, plan = _plan_cli(
+        capsys,
+        "experiment=paper",
+        f"model.path={QWEN3}",
+        *SMALL,
+        "rollout.max_batch_tokens=20000",
+        "--device-gb",
+        "80",
+    )
+    # 4 prompts x 8 rows: a chunk of k prompts holds 512 k + 8 x 512 k = 4608 k K/V tokens
+    assert plan["generation_chunk_rows"] == 4 * 8 and code == 0
+    code, plan = _plan_cli(
+        capsys,
+        "experiment=paper",
+        f"model.path={QWEN3}",
+        *SMALL,
+        "rollout.max_batch_tokens=10000",
+        "--device-gb",
+        "80",
+    )
+    assert plan["generation_chunk_rows"] == 2 * 8  # 9216 <= 10000 < 13824
 
 
 def test_a_small_paper_config_fits_on_80_gib(capsys):
@@ -143,7 +190,7 @@ def test_plan_prints_a_table_with_a_verdict(capsys):
     )
     out = capsys.readouterr().out
     assert code == 0 and out.rstrip().endswith("verdict: fits")
-    assert "114,688 bytes per token per row" in out and "generation_chunks_supported" in out
+    assert "114,688 bytes per token per row" in out and "in chunks of 32 rows" in out
 
 
 def test_old_pass_follows_the_trainers_rule():
@@ -180,7 +227,7 @@ def test_train_refuses_on_cuda_before_loading_weights(tmp_path, monkeypatch):
             f"run.root={tmp_path / 'runs'}",
         ]
     )
-    with pytest.raises(MemoryPlanError, match=r"generation needs .*trainer\.prompts_per_step="):
+    with pytest.raises(MemoryPlanError, match=r"update needs .*algorithm\.micro_batch_size="):
         trainer.setup(cfg)
 
 

@@ -65,6 +65,7 @@ from omgrpo.core.step import (
     step_metrics,
 )
 from omgrpo.generation.car import generate_pair_answers
+from omgrpo.generation.engine import stream_seed
 from omgrpo.generation.rollout import (
     Sequences,
     response_logits,
@@ -133,7 +134,8 @@ class Run:
     mechanism: MechanismProbe | None = None  # `diagnostics.mechanism_every`
 
     def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
-        """n responses per problem from the policy (prompts through the chat template)."""
+        """n responses per problem from the policy (prompts through the chat template), in
+        chunks that fit the device (`rollout.max_batch_tokens`)."""
         return sample(
             self.policy,
             [self.encode(p) for p in problems],
@@ -143,6 +145,7 @@ class Run:
             top_p=top_p,
             eos_id=self.stop_ids,
             pad_id=self.tokenizer.pad_token_id,
+            max_batch_tokens=self.cfg.rollout.max_batch_tokens,
             **kw,
         )
 
@@ -329,7 +332,8 @@ def generate(
     G = cfg.rollout.n
     policy.eval()
     with timer("gen"):
-        seqs = run.sample(problems, G, cfg.rollout.temperature, cfg.rollout.top_p)
+        seed = stream_seed(cfg.seed, "rollout", step)  # rows' streams: resumable, chunk-free
+        seqs = run.sample(problems, G, cfg.rollout.temperature, cfg.rollout.top_p, seed=seed)
     if not cfg.car.enable:
         return seqs, None
     with timer("car"):
@@ -340,6 +344,8 @@ def generate(
             [(p.question, texts[g * G : (g + 1) * G]) for g, p in enumerate(problems)],
             cfg.car,
             rng=random.Random(f"{cfg.seed}-car-{step}"),
+            seed=stream_seed(cfg.seed, "car", step),
+            max_batch_tokens=cfg.rollout.max_batch_tokens,
         )
     return seqs, car
 
@@ -522,6 +528,11 @@ def check_config(cfg) -> None:
     validate_algorithm(cfg.algorithm, "algorithm")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
+    tokens = cfg.rollout.max_batch_tokens
+    if tokens is not None and tokens < 1:
+        raise ValueError(
+            f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}"
+        )
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
@@ -706,15 +717,18 @@ def mechanism_probe(
 @torch.no_grad()
 def validate(run: Run, step: int, recovery: dict) -> dict:
     """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
-    own RNG stream so validating (or not) never changes the training trajectory."""
+    own random stream so validating (or not) never changes the training trajectory."""
     cfg, problems = run.cfg, run.val_problems
     k = cfg.eval.k
     run.policy.eval()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed * 1_000_003 + step)
-        seqs = run.sample(
-            problems, k, cfg.eval.temperature, cfg.eval.top_p, batch_size=cfg.eval.batch_size
-        )
+    seqs = run.sample(
+        problems,
+        k,
+        cfg.eval.temperature,
+        cfg.eval.top_p,
+        batch_size=cfg.eval.batch_size,
+        seed=stream_seed(cfg.seed, "validation", step),
+    )
     responses = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask)
     answers = responses.answers
     grader = Grader.from_config(cfg.reward)  # its own budget: never what a step left over

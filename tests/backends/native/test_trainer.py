@@ -62,6 +62,7 @@ def test_unknown_reward_is_rejected_before_any_work(tiny_overrides):
         ("task.name=gsm", "unknown task 'gsm'; valid tasks: files, toy"),
         ("rollout.n=1", "rollout.n must be >= 2"),
         ("algorithm.answer_weight=-1", "answer_weight must be >= 0"),
+        ("rollout.max_batch_tokens=0", "rollout.max_batch_tokens must be >= 1 or null"),
     ],
 )
 def test_bad_config_values_fail_fast(tiny_overrides, override, message):
