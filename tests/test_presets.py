@@ -40,6 +40,8 @@ EXPECTED = {
     "mv_shuffled": (["majority_vote"], 1.0, False, False, 8),
     "om_grpo_closing": (SV, 0.0, False, True, 8),
     "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
+    "prm": (["process", "format"], 1.0, False, False, 8),
+    "prm_om": (["process", "format"], 0.0, False, False, 8),
 }
 
 

@@ -54,6 +54,7 @@ from omgrpo.core.losses import (
     token_logprobs_and_entropy,
     token_means,
 )
+from omgrpo.core.process import aggregate
 from omgrpo.core.rewards import get_reward, make_group
 from omgrpo.core.step import (
     LoopState,
@@ -79,6 +80,7 @@ from omgrpo.models.loading import (
     resolve_dtype,
 )
 from omgrpo.models.memory import check_memory_plan
+from omgrpo.models.toy_prm import configured_prm
 from omgrpo.tasks import (
     TASKS,
     Problem,
@@ -129,6 +131,7 @@ class Run:
     val_problems: list[Problem]
     steps_per_epoch: int
     total_steps: int
+    prm: Any = None  # the frozen process reward model of the `process` reward (None: unused)
 
     def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
         """n responses per problem from the policy (prompts through the chat template)."""
@@ -275,6 +278,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             stats=stats,
             grader=grading,
             probe=task_hook,
+            process=run.prm,
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -387,6 +391,9 @@ def setup(cfg: DictConfig) -> Run:
     if cfg.algorithm.kl_coef > 0:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tokenizer, policy)
+    prm = None
+    if "process" in cfg.reward.parts:  # frozen, outside the optimizer (it never trains)
+        prm = configured_prm(cfg, splits, device)
     _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
     if "coreward" in cfg.reward.parts and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
@@ -420,6 +427,7 @@ def setup(cfg: DictConfig) -> Run:
         val_problems=splits.val[: cfg.eval.num_prompts],
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
+        prm=prm,
     )
 
 
@@ -513,6 +521,8 @@ def check_config(cfg) -> None:
     """Fail on names and values that would otherwise fail minutes later, listing valid ones."""
     for name in cfg.reward.parts:
         get_reward(name)
+    if "process" in cfg.reward.parts:
+        aggregate([], cfg.reward.prm.aggregate)  # names the valid aggregations
     if cfg.task.name not in TASKS:
         raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
     validate_algorithm(cfg.algorithm, "algorithm")
@@ -734,6 +744,11 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
 def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:
     """The step's rollouts, one row each (the run store's rollouts table)."""
     prompts = batch.per_rollout(batch.prompts)
+    prm = {}
+    if batch.step_scores is not None:  # the PRM's score of each step, as text ("" unscored)
+        prm["prm_step_scores"] = [
+            "" if s is None else " ".join(f"{x:.4f}" for x in s) for s in batch.step_scores
+        ]
     return pd.DataFrame(
         {
             "step": step,
@@ -747,6 +762,7 @@ def rollout_table(step: int, batch: StepBatch) -> pd.DataFrame:
             "reward": batch.rewards,
             **{f"reward_{k}": v for k, v in batch.reward_parts.items()},
             "advantage": batch.advantages.numpy(),
+            **prm,
         }
     )
 
