@@ -42,6 +42,9 @@ EXPECTED = {
     "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
     "prm": (["process", "format"], 1.0, False, False, 8),
     "prm_om": (["process", "format"], 0.0, False, False, 8),
+    "prm_last": (["process", "format"], 1.0, False, False, 8),
+    "prm_mean": (["process", "format"], 1.0, False, False, 8),
+    "prm_product": (["process", "format"], 1.0, False, False, 8),
 }
 
 

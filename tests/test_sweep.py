@@ -22,6 +22,7 @@ EXPECTED_RUNS = {
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
     "collapse_study_worlds": 4 * 3 * 1,
+    "prm": 7 * 1,  # mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
 }
 
 

@@ -157,7 +157,11 @@ def train_toy_prm(cfg: Any, base_dir: Path, exclude: set[str], out: Path) -> Pat
 
 
 def _fit(model, encoder: ProcessRewardModel, examples: list[tuple], toy: Any, seed: int):
-    """Cross-entropy on the step tags' tokens only (labels -100 elsewhere)."""
+    """Cross-entropy on the step tags' tokens only (labels -100 elsewhere), the classes weighted
+    to balance: a slipped line is about one step in eight, and unweighted the head learned to call
+    every step good (balanced held-out accuracy 0.51 after 300 steps)."""
+    labels = [x for *_, ls in examples for x in ls]
+    weight = torch.tensor([labels.count(1) / max(labels.count(0), 1), 1.0])
     rng = random.Random(seed)
     optim = torch.optim.AdamW(model.parameters(), lr=toy.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -174,7 +178,10 @@ def _fit(model, encoder: ProcessRewardModel, examples: list[tuple], toy: Any, se
         for i, ((row, positions), labels) in enumerate(batch):
             ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
             targets[i, positions] = torch.tensor(labels)
-        loss = model(input_ids=ids, attention_mask=mask, labels=targets).loss
+        logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, 2)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), weight=weight, ignore_index=-100
+        )
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
