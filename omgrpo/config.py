@@ -167,9 +167,9 @@ class ToyPrmConfig:
     (the line with wrong arithmetic labelled bad). Cached (and shipped) under a key of these
     settings and the base's."""
 
-    steps: int = 300
+    steps: int = 400
     """Training steps (AdamW, cosine to 10%)."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Learning rate."""
     batch_size: int = 64
     """Solutions per step (half of them slipped)."""

@@ -91,6 +91,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     assert roots.pop("collapse_demo") == {"runs/collapse-demo"}
     for part in ("central", "secondary", "worlds"):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
+    assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
     assert set.union(*roots.values()) == {"runs"}
 
 
