@@ -774,7 +774,7 @@ def draw_prm_baselines(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -
     _curves(b, prm, "prm/aggregate_mean", colors=colors, ylabel="PRM score")
     _curves(b, prm, "prm/step_score_mean", colors=colors, linestyle=":", suffix=" (mean step)")
     a.set_title("validation accuracy")
-    b.set_title("PRM runs: aggregated score (solid), mean step score (dotted)")
+    b.set_title("PRM score: aggregate (solid), step mean (dotted)")
     _legend(a)
     _legend(b)
     fig.suptitle("PRM baselines vs OM-GRPO")
