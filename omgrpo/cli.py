@@ -31,6 +31,10 @@ commands:
                          the toy base of a config (e.g. experiment=toy_shortcut): installed from
                          omgrpo/bases/ or trained, with its acceptance checks; --ship copies it
                          into omgrpo/bases/ with its recipe and sha256s (docs/toy-worlds.md)
+  prm train [--ship [--note TEXT]] [overrides...]
+                         the toy PRM of a config's toy base (e.g. experiment=toy_shortcut):
+                         installed from omgrpo/bases/ or trained (a step classifier, minutes),
+                         with its checks printed; --ship copies it into omgrpo/bases/
   sync RUN_DIR --to mlflow|wandb [--mlflow-uri URI] [--wandb-project P] [--wandb-mode M]
                          replay a run's local store (config, metrics, rollouts) into a tracker,
                          e.g. after its backend failed during training
@@ -82,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(rest)
     if command == "base":
         return _base(rest)
+    if command == "prm":
+        return _prm(rest)
     if command == "sync":
         return _sync(rest)
     if command == "sweep":
@@ -200,6 +206,48 @@ def _base(args: list[str]) -> int:
         recipe = toy_base_recipe(cfg.model, cfg.task)
         dest = ship_base(base, recipe, command, note=ns.note)
         print(f"shipped: {dest}")
+    return 0
+
+
+def _prm(args: list[str]) -> int:
+    """`omgrpo prm train`: the toy PRM of a config, with its checks (docs/prm.md)."""
+    import argparse
+
+    from omgrpo.config import compose
+    from omgrpo.models.bases import write_shipped
+    from omgrpo.models.loading import base_model_dir
+    from omgrpo.models.toy_prm import (
+        ensure_toy_prm,
+        format_prm_checks,
+        read_prm_checks,
+        toy_prm_recipe,
+    )
+    from omgrpo.tasks.registry import load_task
+
+    parser = argparse.ArgumentParser(prog="omgrpo prm", description="The toy PRM of a config.")
+    parser.add_argument("action", choices=["train"])
+    parser.add_argument("--ship", action="store_true", help="copy it into omgrpo/bases/")
+    parser.add_argument("--note", help="provenance note stored in the manifest (with --ship)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
+    ns = parser.parse_args(args)
+    cfg = compose(ns.overrides)
+    if cfg.model.path or cfg.task.name != "toy":
+        print("omgrpo prm: only the toy PRM (model.path unset, task toy)", file=sys.stderr)
+        return 2
+    splits = load_task(cfg.task)
+    seen = {p.question for split in (splits.train, splits.val, splits.test) for p in split}
+    prm_dir = ensure_toy_prm(cfg, base_model_dir(cfg.model, cfg.task, splits), seen)
+    checks = read_prm_checks(prm_dir)
+    print(f"toy PRM: {prm_dir}")
+    print(format_prm_checks(checks) if checks else "toy PRM checks: none stored")
+    if ns.ship:
+        if checks is None or not checks["passed"]:
+            print(f"omgrpo prm: {prm_dir} did not pass its checks; not shipped", file=sys.stderr)
+            return 1
+        key = prm_dir.name.removeprefix("toy-prm-")
+        recipe = toy_prm_recipe(cfg.model, cfg.task, cfg.reward.prm.toy)
+        command = " ".join(["omgrpo prm train", *ns.overrides])
+        print(f"shipped: {write_shipped(prm_dir, key, recipe, command, note=ns.note)}")
     return 0
 
 

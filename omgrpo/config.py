@@ -186,6 +186,73 @@ class EvalConfig:
 
 
 @dataclass
+class ToyPrmConfig:
+    """How the toy PRM is trained (`omgrpo prm train`): a token-classification head on the toy
+    base, trained on the base's SFT solutions (every step labelled good) and slipped copies
+    (the line with wrong arithmetic labelled bad). Cached (and shipped) under a key of these
+    settings and the base's."""
+
+    steps: int = 400
+    """Training steps (AdamW, cosine to 10%)."""
+    lr: float = 2e-3
+    """Learning rate."""
+    batch_size: int = 64
+    """Solutions per step (half of them slipped)."""
+    seed: int = 0
+    """Seed of the head's initial weights, the slips and the batches."""
+    check_problems: int = 256
+    """Held-out problems for the PRM's checks (step accuracy, scores of guessed answers)."""
+    shipped: bool = True
+    """Use the toy PRM shipped in `omgrpo/bases/` when one has this key; false trains it."""
+
+
+@dataclass
+class PrmConfig:
+    """The process reward model of the `process` reward (`omgrpo.models.prm`). Keys left null
+    come from the checkpoint's `omgrpo_prm.json` (the toy PRM writes one), else the defaults
+    named below."""
+
+    path: str | None = None
+    """A local HF PRM directory or hub id; null: the toy PRM of the toy base (trained on first
+    use, or installed from `omgrpo/bases/`)."""
+    format: str | None = None
+    """`causal_lm` (a step scored by P(good_token) against bad_token right after the step tag,
+    Math-Shepherd style) or `token_classification` (P(good_label) of a classification head at
+    the step tag, Qwen2.5-Math-PRM / PURE style); null: from omgrpo_prm.json."""
+    step_tag: str | None = None
+    """Text appended after every step; the step is scored at its (last non-blank) character's
+    token, e.g. ` ки` (Math-Shepherd), `<extra_0>` (Qwen2.5-Math-PRM); null: from omgrpo_prm.json,
+    else a newline."""
+    separator: str | None = None
+    """How a response is split into steps (blank steps dropped); null: from omgrpo_prm.json,
+    else a newline."""
+    good_token: str = "+"
+    """causal_lm: the token meaning a good step."""
+    bad_token: str = "-"
+    """causal_lm: the token meaning a bad step."""
+    good_label: int = 1
+    """token_classification: the label index meaning a good step."""
+    chat_template: bool = True
+    """Render (question, steps) with the PRM tokenizer's chat template (user: question,
+    assistant: the tagged steps) when it has one; else `question` + newline + steps."""
+    system: str | None = None
+    """A system message for the chat template (Qwen2.5-Math-PRM's: "Please reason step by
+    step, and put your final answer within \\boxed{}.")."""
+    aggregate: str = "min"
+    """Step scores -> reward: `min` (PURE's min-form), `last`, `mean` or `product`."""
+    batch_size: int = 64
+    """Responses per PRM forward pass."""
+    budget_s: float = 60.0
+    """Seconds of PRM scoring per training step; batches not started by then are left unscored
+    (their rollouts get their group's mean score, `prm/unscored_share` counts them)."""
+    dtype: str = "auto"
+    """`auto` (bf16 on GPU, fp32 on CPU), `bf16`, `fp16` or `fp32`; the PRM shares the
+    policy's device (`model.device`)."""
+    toy: ToyPrmConfig = field(default_factory=ToyPrmConfig)
+    """The toy PRM's training (used when `path` is null)."""
+
+
+@dataclass
 class RewardConfig:
     parts: list[str] = field(default_factory=lambda: ["soft_vote", "format"])
     """Named reward parts summed into the reward (see `omgrpo.core.rewards.REWARDS`); each is logged."""
@@ -198,6 +265,8 @@ class RewardConfig:
     grading_budget_s: float = 10.0
     """Seconds of math-verify work per training step, shared by all its answer comparisons;
     past it, undecided pairs count as different and `answers/grading_timeouts` counts them."""
+    prm: PrmConfig = field(default_factory=PrmConfig)
+    """The process reward model of the `process` reward (method presets `prm`, `prm_om`)."""
 
 
 @dataclass

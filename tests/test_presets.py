@@ -40,6 +40,11 @@ EXPECTED = {
     "mv_shuffled": (["majority_vote"], 1.0, False, False, 8),
     "om_grpo_closing": (SV, 0.0, False, True, 8),
     "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
+    "prm": (["process", "format"], 1.0, False, False, 8),
+    "prm_om": (["process", "format"], 0.0, False, False, 8),
+    "prm_last": (["process", "format"], 1.0, False, False, 8),
+    "prm_mean": (["process", "format"], 1.0, False, False, 8),
+    "prm_product": (["process", "format"], 1.0, False, False, 8),
 }
 
 

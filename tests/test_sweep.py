@@ -22,6 +22,7 @@ EXPECTED_RUNS = {
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
     "collapse_study_worlds": 4 * 3 * 1,
+    "prm": 7 * 1,  # mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
 }
 
 
@@ -90,6 +91,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     assert roots.pop("collapse_demo") == {"runs/collapse-demo"}
     for part in ("central", "secondary", "worlds"):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
+    assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
     assert set.union(*roots.values()) == {"runs"}
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "failure_recovery",
     "kl_answer_reasoning",
     "metric_range",
+    "prm_baselines",
     "rollout_bias",
     "ten_epoch_dynamics",
     "token_roles",
@@ -88,6 +89,11 @@ HINT_BASE = (
     "model.warm_start.steps=150 run.experiment=weak` and `model.warm_start.steps=1200 "
     "run.experiment=strong` (likewise method=om_grpo), or real bases of different size "
     "(`model.path=...`)"
+)
+HINT_PRM = (
+    "runs rewarded by a process reward model next to OM-GRPO: `omgrpo train method=prm` "
+    "(and prm_last, prm_mean, prm_product, prm_om), `omgrpo train method=om_grpo_no_car`, "
+    "or sweeps/prm.yaml"
 )
 HINT_RECOVERY = (
     "runs with validation on a labelled split (`eval.every>0`) whose base leaves some "
@@ -752,6 +758,29 @@ def draw_token_roles(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> 
     return _panels(df, metrics, "Token roles")
 
 
+def draw_prm_baselines(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
+    """Paper appendix figure (PRM-based process reward baselines): validation accuracy over
+    steps of the runs rewarded by a process reward model (`prm*` presets) beside OM-GRPO and
+    majority voting; right, the PRM runs' mean aggregated PRM score (their reward) and mean
+    step score, which rise as the policy learns what the PRM likes."""
+    _need(df, "PRM baselines", ["val/acc", "prm/aggregate_mean"], HINT_PRM)
+    method = df["method"].astype(str)
+    df = _with_labels(df[method.str.startswith(("prm", "om_grpo")) | (method == "mv")])
+    colors = _colors(df)
+    fig = _new_figure(1, 2)
+    a, b = _axes(fig)
+    _curves(a, df, "val/acc", colors=colors, ylabel="val/acc (avg@k)")
+    prm = df[df["method"].astype(str).str.startswith("prm")]
+    _curves(b, prm, "prm/aggregate_mean", colors=colors, ylabel="PRM score")
+    _curves(b, prm, "prm/step_score_mean", colors=colors, linestyle=":", suffix=" (mean step)")
+    a.set_title("validation accuracy")
+    b.set_title("PRM score: aggregate (solid), step mean (dotted)")
+    _legend(a)
+    _legend(b)
+    fig.suptitle("PRM baselines vs OM-GRPO")
+    return fig
+
+
 # -- registry ----------------------------------------------------------------------------------
 FigureFn = Callable[..., list[Path]]
 
@@ -782,6 +811,7 @@ base_strength = _exported("base_strength", draw_base_strength)
 failure_recovery = _exported("failure_recovery", draw_failure_recovery)
 collapse_route = _exported("collapse_route", draw_collapse_route)
 token_roles = _exported("token_roles", draw_token_roles)
+prm_baselines = _exported("prm_baselines", draw_prm_baselines)
 
 FIGURES: dict[str, FigureFn] = {
     "training_dynamics": training_dynamics,
@@ -796,6 +826,7 @@ FIGURES: dict[str, FigureFn] = {
     "failure_recovery": failure_recovery,
     "collapse_route": collapse_route,
     "token_roles": token_roles,
+    "prm_baselines": prm_baselines,
 }
 """Every figure, in the paper's order: name -> fn(df, out_dir, *, rollouts=None)."""
 
@@ -815,6 +846,7 @@ TITLES = {
     "failure_recovery": "Failure recovery (prompts with initial pass@k = 0)",
     "collapse_route": "Collapse route (guessing, the peak answer, accuracy by difficulty)",
     "token_roles": "KL by token role and the answer/reasoning gradient probe",
+    "prm_baselines": "PRM baselines vs OM-GRPO (val acc; the PRM runs' scores)",
 }
 
 

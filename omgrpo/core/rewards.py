@@ -13,6 +13,7 @@ total and every part so each is logged as `reward/<part>`.
 | self_certainty  | mean over response tokens of KL(Uniform || pi) (Intuitor)               |
 | entropy         | minus the mean token entropy on the answer span                          |
 | coreward        | 1 if z_i matches the majority answer of the paraphrased question's group |
+| process         | the PRM's aggregated step scores (`omgrpo.core.process`; unscored: group mean) |
 
 A rollout without an extracted answer casts no vote and gets 0 from every vote-based reward and
 from `format`; it never raises. Answers are compared with `omgrpo.core.answers` (exact equivalence)
@@ -54,6 +55,8 @@ class RewardGroup:
     """Per-rollout mean token entropy on the answer span (None: no answer)."""
     max_entropy: float = 0.0
     """log(vocab size): the entropy given to rollouts without an answer span."""
+    process: list[float | None] | None = None
+    """Per-rollout aggregated PRM step scores (None: left unscored by the PRM's time budget)."""
     grader: Grader = field(default_factory=Grader, repr=False, compare=False)
     """The grader the classes were built with (`gt` compares answers to the label with it)."""
 
@@ -71,6 +74,7 @@ def make_group(
     answer_entropy: Sequence[float | None] | None = None,
     max_entropy: float = 0.0,
     grader: Grader | None = None,
+    process: Sequence[float | None] | None = None,
 ) -> RewardGroup:
     """Cluster the group's answers, the pool and the partner answers in one id space, with the
     stage's `grader` (default: a fresh default `Grader` for this group alone)."""
@@ -90,6 +94,7 @@ def make_group(
         answer_entropy=list(answer_entropy) if answer_entropy is not None else None,
         max_entropy=max_entropy,
         grader=grader,
+        process=list(process) if process is not None else None,
     )
 
 
@@ -217,6 +222,22 @@ def coreward_reward(group: RewardGroup) -> list[float]:
         raise ValueError("reward 'coreward' needs the paraphrased question's answers")
     top = majority_class(group.partner_classes)
     return [float(c is not None and c == top) for c in group.classes]
+
+
+@register_reward("process")
+def process_reward(group: RewardGroup) -> list[float]:
+    """The PRM's aggregated step scores; a rollout the PRM's time budget left unscored gets the
+    mean of its group's scored rollouts (advantage 0: neither pushed up nor down), or 0 when
+    none of the group was scored.
+
+    >>> process_reward(make_group(["1", None, "2"], process=[0.25, 0.75, None]))
+    [0.25, 0.75, 0.5]
+    """
+    if group.process is None:
+        raise ValueError("reward 'process' needs the PRM's scores (reward.prm; native trainer)")
+    scored = [s for s in group.process if s is not None]
+    fill = float(np.mean(scored)) if scored else 0.0
+    return [fill if s is None else float(s) for s in group.process]
 
 
 def compute_rewards(

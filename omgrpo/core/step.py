@@ -13,6 +13,7 @@ Labels never enter a label-free reward: `correct` and the label-based metrics on
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -32,6 +33,7 @@ from omgrpo.core.diagnostics import (
     majority_answers,
 )
 from omgrpo.core.losses import group_advantages
+from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
 from omgrpo.tasks.base import Problem, TaskProbe
@@ -111,6 +113,8 @@ class StepBatch:
     format_advantages: torch.Tensor | None = None  # (B,) format-only: answer tokens' advantage
     car: CarResult | None = None  # CAR's pair answers per group (extra voters, never trained)
     grader: Grader | None = None  # the step's grader (CAR diagnostics re-cluster with it)
+    step_scores: list[StepScores] | None = None  # (B,) the PRM's step scores (reward `process`)
+    process: list[float | None] | None = None  # (B,) their aggregate (None: unscored)
 
     def per_group(self, values: list) -> list[list]:
         """(B,) values as P lists, one per group."""
@@ -196,6 +200,7 @@ def score_step(
     stats: dict[str, torch.Tensor] | None = None,
     grader: Grader | None = None,
     probe: TaskProbe | None = None,
+    process: ProcessScorer | None = None,
 ) -> StepBatch:
     """Score a step's rollouts (rollouts of a prompt contiguous, G = B / len(problems)).
 
@@ -212,6 +217,8 @@ def score_step(
         grader: the step's `Grader` (its budget is spent here); default: a fresh one from
             `cfg.reward`.
         probe: the task's hook for the `result` token role (`omgrpo.tasks.task_probe`).
+        process: the PRM (`omgrpo.models.prm`), for the `process` reward: each response's step
+            scores, aggregated by `cfg.reward.prm.aggregate`.
     """
     grader = grader if grader is not None else Grader.from_config(cfg.reward)
     span = cfg.algorithm.answer_span
@@ -219,7 +226,20 @@ def score_step(
     answers = responses.answers
     G = len(answers) // len(problems)
     coreward = "coreward" in cfg.reward.parts
+    step_scores = aggregated = None
+    if "process" in cfg.reward.parts:
+        if process is None:
+            raise ValueError("reward 'process' needs a process reward model (reward.prm)")
+        questions = [problems[i // G].question for i in range(len(answers))]
+        step_scores = process(questions, responses.texts)
+        how = cfg.reward.prm.aggregate
+        aggregated = [None if s is None else aggregate(s, how) for s in step_scores]
     groups = _reward_groups(problems, responses, G, len(tokenizer), stats, car, coreward, grader)
+    if aggregated is not None:
+        groups = [
+            dataclasses.replace(g, process=aggregated[i * G : (i + 1) * G])
+            for i, g in enumerate(groups)
+        ]
     rewards, parts = compute_rewards(groups, list(cfg.reward.parts), dict(cfg.reward.weights))
     group_ids = torch.arange(len(problems)).repeat_interleave(G)
     eps = cfg.algorithm.adv_eps
@@ -243,6 +263,8 @@ def score_step(
         format_advantages=format_adv,
         car=car,
         grader=grader,
+        step_scores=step_scores,
+        process=aggregated,
     )
 
 
@@ -310,6 +332,8 @@ def step_metrics(
         metrics.update(batch.car.diagnostics(answers, correct, batch.grader))
         labels = [p.answer for p in batch.prompts]
         metrics.update(top_vote_metrics(answers, batch.car.answers, labels, batch.grader))
+    if batch.step_scores is not None:
+        metrics.update(process_metrics(batch.step_scores, batch.process, batch.correct))
     if batch.responses is not None:
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())
@@ -331,6 +355,11 @@ def rollout_table(
     if texts is None:
         texts = batch.responses.texts if batch.responses is not None else [None] * len(prompts)
     advantages = batch.advantages
+    prm = {}
+    if batch.step_scores is not None:  # the PRM's score of each step, as text ("" unscored)
+        prm["prm_step_scores"] = [
+            "" if s is None else " ".join(f"{x:.4f}" for x in s) for s in batch.step_scores
+        ]
     return pd.DataFrame(
         {
             "step": step,
@@ -344,5 +373,6 @@ def rollout_table(
             "reward": batch.rewards,
             **{f"reward_{k}": v for k, v in batch.reward_parts.items()},
             "advantage": advantages.numpy() if advantages is not None else np.nan,
+            **prm,
         }
     )

@@ -26,10 +26,13 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def shipped_base(key: str, shipped_dir: Path = SHIPPED_DIR) -> Path | None:
-    """The shipped directory of base `key` if there is one whose files match its manifest;
-    a damaged one is reported (a warning naming the file) and ignored."""
-    src = shipped_dir / f"toy-base-{key}"
+def shipped_base(
+    key: str, shipped_dir: Path = SHIPPED_DIR, prefix: str = "toy-base"
+) -> Path | None:
+    """The shipped directory `<prefix>-<key>` (a base; `toy-prm`: a toy PRM) if there is one
+    whose files match its manifest; a damaged one is reported (a warning naming the file) and
+    ignored."""
+    src = shipped_dir / f"{prefix}-{key}"
     manifest_path = src / MANIFEST
     if not manifest_path.exists():
         return None
@@ -51,10 +54,12 @@ def shipped_base(key: str, shipped_dir: Path = SHIPPED_DIR) -> Path | None:
     return src
 
 
-def install_shipped(key: str, out: Path, shipped_dir: Path = SHIPPED_DIR) -> bool:
-    """Copy shipped base `key` to the cache directory `out` (atomically: parallel runs never
-    see half a base). False if there is no intact shipped base with this key."""
-    src = shipped_base(key, shipped_dir)
+def install_shipped(
+    key: str, out: Path, shipped_dir: Path = SHIPPED_DIR, prefix: str = "toy-base"
+) -> bool:
+    """Copy shipped base (or `prefix`: toy PRM) `key` to the cache directory `out` (atomically:
+    parallel runs never see half a base). False if there is no intact shipped one with this key."""
+    src = shipped_base(key, shipped_dir, prefix)
     if src is None:
         return False
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
@@ -64,9 +69,12 @@ def install_shipped(key: str, out: Path, shipped_dir: Path = SHIPPED_DIR) -> boo
     except OSError:  # another process installed it first
         shutil.rmtree(tmp, ignore_errors=True)
     manifest = json.loads((src / MANIFEST).read_text())
+    base = prefix == "toy-base"
+    switch = "model.warm_start.shipped" if base else "reward.prm.toy.shipped"
     print(
-        f"warm start: using the shipped base {src.name} (made by `{manifest['command']}`); "
-        "model.warm_start.shipped=false trains it instead",
+        f"{'warm start: ' if base else ''}using the shipped {'base ' if base else ''}{src.name} "
+        f"(made by `{manifest['command']}`); "
+        f"{switch}=false trains it instead",
         flush=True,
     )
     return True
@@ -101,10 +109,23 @@ def ship_base(
     if checks is None or not checks["passed"]:
         state = "has no checks.json" if checks is None else "failed its checks"
         raise ValueError(f"{base_dir} {state}; only a base that passed them is shipped")
-    dest = shipped_dir / base_dir.name
+    return write_shipped(base_dir, key, recipe, command, shipped_dir, note)
+
+
+def write_shipped(
+    src: Path,
+    key: str,
+    recipe: dict[str, Any],
+    command: str,
+    shipped_dir: Path = SHIPPED_DIR,
+    note: str | None = None,
+) -> Path:
+    """Copy a checked model directory `src` into `shipped_dir` under its own name, with the
+    manifest: key, recipe, command, commit and a sha256 per file."""
+    dest = shipped_dir / src.name
     if dest.exists():
         shutil.rmtree(dest)
-    shutil.copytree(base_dir, dest)
+    shutil.copytree(src, dest)
     files = sorted(p.name for p in dest.iterdir() if p.name != MANIFEST)
     manifest = {
         "key": key,

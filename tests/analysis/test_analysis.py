@@ -44,6 +44,20 @@ FIXTURE_RUNS = ["toy__mv__s0", "toy__mv__s1", "toy__om_grpo__s0", "toy__om_grpo_
 
 
 # -- a synthetic frame with every column a figure or table reads -------------------------------
+def with_prm_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """`df` and, for the PRM figure, a copy of its `w0.5` runs as method=prm runs logging the
+    PRM's scores."""
+    prm = df[df["variant"] == "w0.5"].copy()
+    prm["variant"], prm["method"] = "prm", "prm"
+    prm["run"] = prm["run"].str.replace("w0.5", "prm")
+    prm["run_dir"] = prm["run_dir"].str.replace("w0.5", "prm")
+    trained = prm["step"] > 0
+    prm.loc[trained, "prm/aggregate_mean"] = 0.5 + 0.05 * prm.loc[trained, "step"]
+    prm.loc[trained, "prm/step_score_mean"] = 0.7 + 0.03 * prm.loc[trained, "step"]
+    prm["val/acc"] = 0.4 - 0.05 * prm["step"]
+    return pd.concat([df, prm], ignore_index=True)
+
+
 def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFrame:
     """2 variants x `seeds` x `steps` steps: `om_grpo` (w = 0, CAR on, n = 8, strong toy base)
     and `w0.5` (w = 0.5, no CAR, n = 16, weak toy base); both method=om_grpo."""
@@ -159,7 +173,8 @@ def fixture_df() -> pd.DataFrame:
 # -- figures -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FIGURES))
 def test_every_figure_writes_png_and_pdf(name, synth, tmp_path):
-    paths = FIGURES[name](synth, tmp_path, rollouts=synthetic_rollouts(synth))
+    frame = with_prm_runs(synth) if name == "prm_baselines" else synth
+    paths = FIGURES[name](frame, tmp_path, rollouts=synthetic_rollouts(frame))
     assert sorted(p.suffix for p in paths) == [".pdf", ".png"]
     for path in paths:
         assert path.parent == tmp_path and path.stem == name
@@ -192,6 +207,12 @@ def test_missing_metrics_name_the_preset(name, drop, preset, synth, tmp_path):
         FIGURES[name](synth.drop(columns=drop), tmp_path)
     assert drop[0] in str(err.value)
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_the_prm_figure_names_the_prm_presets(synth, tmp_path):
+    with pytest.raises(MissingRunsError, match=r"prm/aggregate_mean.*method=prm"):
+        FIGURES["prm_baselines"](synth, tmp_path)
+    assert len(F.DRAW["prm_baselines"](with_prm_runs(synth)).axes) == 2
 
 
 def test_missing_runs_on_the_fixture(fixture_df, tmp_path):

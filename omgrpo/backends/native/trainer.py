@@ -54,6 +54,7 @@ from omgrpo.core.losses import (
     token_logprobs_and_entropy,
     token_means,
 )
+from omgrpo.core.process import aggregate
 from omgrpo.core.rewards import get_reward, make_group
 from omgrpo.core.step import (
     LoopState,
@@ -81,6 +82,7 @@ from omgrpo.models.loading import (
     resolve_dtype,
 )
 from omgrpo.models.memory import check_memory_plan
+from omgrpo.models.toy_prm import configured_prm
 from omgrpo.tasks import (
     TASKS,
     Problem,
@@ -132,6 +134,7 @@ class Run:
     steps_per_epoch: int
     total_steps: int
     mechanism: MechanismProbe | None = None  # `diagnostics.mechanism_every`
+    prm: Any = None  # the frozen process reward model of the `process` reward (None: unused)
 
     def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
         """n responses per problem from the policy (prompts through the chat template), in
@@ -280,6 +283,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             stats=stats,
             grader=grading,
             probe=task_hook,
+            process=run.prm,
         )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
@@ -396,6 +400,9 @@ def setup(cfg: DictConfig) -> Run:
     if cfg.algorithm.kl_coef > 0:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tokenizer, policy)
+    prm = None
+    if "process" in cfg.reward.parts:  # frozen, outside the optimizer (it never trains)
+        prm = configured_prm(cfg, splits, device)
     _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
     if "coreward" in cfg.reward.parts and any(p.paraphrase is None for p in splits.train):
         raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
@@ -430,6 +437,7 @@ def setup(cfg: DictConfig) -> Run:
         steps_per_epoch=steps_per_epoch,
         total_steps=total_steps,
         mechanism=MechanismProbe.build(cfg, policy, ref, tokenizer, encode, splits.val, stop_ids),
+        prm=prm,
     )
 
 
@@ -523,6 +531,8 @@ def check_config(cfg) -> None:
     """Fail on names and values that would otherwise fail minutes later, listing valid ones."""
     for name in cfg.reward.parts:
         get_reward(name)
+    if "process" in cfg.reward.parts:
+        aggregate([], cfg.reward.prm.aggregate)  # names the valid aggregations
     if cfg.task.name not in TASKS:
         raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
     validate_algorithm(cfg.algorithm, "algorithm")
