@@ -272,7 +272,6 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             ref = response_logprobs(run.ref, seqs, cfg.algorithm.micro_batch_size)
             ref_logprobs = ref["logprobs"]
     with timer("reward"):  # answers, rewards and advantages
-        stats = old if need_stats else None
         batch = score_step(
             run.tokenizer,
             seqs.response_ids,
@@ -280,7 +279,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             problems,
             cfg,
             car=car,
-            stats=stats,
+            stats=old if need_stats else None,
             grader=grading,
             probe=task_hook,
             process=run.prm,
