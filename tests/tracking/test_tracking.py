@@ -326,11 +326,14 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     assert seconds < STALL_TIMEOUT_S + 1, seconds
     assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
 
+    assert store.unsynced() == ["mlflow"]
+    # the sync fills in the run the training opened (in its experiment, "g"), keeping its id
     run_id = sync_run(run_dir, "mlflow", TrackingConfig(mlflow_uri=mlflow_uri))
+    assert run_id == store.tracker_ids()["mlflow"] and store.unsynced() == []
     assert_history_equals_store(mlflow_uri, run_id, store)
     client = mlflow_client(mlflow_uri)
     assert client.get_run(run_id).info.status == "FINISHED"
-    exp = client.get_experiment_by_name("locked-exp")
+    exp = client.get_experiment_by_name("g")
     assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
 
 
