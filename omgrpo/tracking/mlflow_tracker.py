@@ -321,6 +321,7 @@ class MLflowTracker:
                     self._attempt(lambda: self.client.set_terminated(self.run_id, status))
                 return
             try:
+                self._probe_at = 0.0  # down or not, the run's end is worth one more try
                 terminate = lambda: self.client.set_terminated(self.run_id, status)  # noqa: E731
                 if not worker.wait(stall_s=STALL_TIMEOUT_S) or not (
                     self._call(self._attempt, terminate) and worker.wait(stall_s=STALL_TIMEOUT_S)
