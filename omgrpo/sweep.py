@@ -1,6 +1,7 @@
 """`omgrpo sweep`: run a W&B sweep file's grid locally, in parallel and resumably.
 
     omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [--retry-failed] [overrides...]
+    omgrpo sweep --agent ENTITY/PROJECT/SWEEP_ID [--jobs N] [--count K] [--dry-run]
 
 The sweep files in `sweeps/` are ordinary W&B sweep configs (`method: grid`, `parameters`
 whose names are Hydra override keys, `command: ${env} ${interpreter} -m omgrpo train

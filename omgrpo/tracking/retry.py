@@ -23,11 +23,20 @@ MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQ
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether `error` may pass if the call is made again: a connection or timeout error, or an
+    """Whether `error` may pass if the call is made again: a connection or timeout error (not
+    any OSError: a missing folder or a file where a directory belongs stays so), or an
     MLflow error whose HTTP status is 5xx or 429 (MLflow reports an unreachable server as
     INTERNAL_ERROR (500) and a locked SQLite store as TEMPORARILY_UNAVAILABLE (503))."""
-    if isinstance(error, OSError | TimeoutError):  # requests' errors are OSErrors
+    if isinstance(error, ConnectionError | TimeoutError):  # not a missing file or a bad path
         return True
+    try:
+        from requests.exceptions import ConnectionError as RequestsConnectionError
+        from requests.exceptions import Timeout
+    except ImportError:  # pragma: no cover - requests comes with mlflow and wandb
+        pass
+    else:
+        if isinstance(error, RequestsConnectionError | Timeout):
+            return True
     status = getattr(error, "get_http_status_code", None)
     if callable(status):
         try:
