@@ -497,14 +497,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.overrides.append(f"trainer.threads={threads}")
 
     if args.dry_run:
-        print(f"sweep {sweep_name}: {len(runs)} runs ({len(todo)} to run)")
-        for slot in range(args.jobs if args.jobs > 1 else 0):
-            split = " ".join(f"{k}={v}" for k, v in job_split(slot, args.jobs).items())
-            print(f"  job slot {slot}: {split}")
-        for r in runs:
-            label = {"new": "run", "resume": "resume", "skip": "skip"}[r.state]
-            detail = f" ({r.status.get('state')})" if r.state == "skip" else ""
-            print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
+        _print_plan(sweep_name, runs, todo, args.jobs)
         return 0
 
     status = _execute(sweep_name, runs, todo, args.jobs)
@@ -512,17 +505,35 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = [c.strip() for c in args.eval_checkpoint.split(",") if c.strip()]
         status = max(status, _evaluate(runs, args.eval, checkpoints, args.jobs))
         if args.tables:
-            from omgrpo.analysis.paper_tables import write_tables
-
-            try:
-                tabled = next((c for c in checkpoints if c != "base"), "last")
-                dirs = [r.dir for r in runs if r.dir.exists()]
-                path = write_tables(dirs, args.tables, tabled)
-                print(f"tables: {path}")
-            except FileNotFoundError as e:
-                print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
-                status = max(status, 1)
+            status = max(status, _tables(runs, args.tables, checkpoints))
     return status
+
+
+def _print_plan(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> None:
+    """`--dry-run`: the job slots' shares of the machine and each run with its overrides."""
+    print(f"sweep {sweep_name}: {len(runs)} runs ({len(todo)} to run)")
+    for slot in range(jobs if jobs > 1 else 0):
+        split = " ".join(f"{k}={v}" for k, v in job_split(slot, jobs).items())
+        print(f"  job slot {slot}: {split}")
+    for r in runs:
+        label = {"new": "run", "resume": "resume", "skip": "skip"}[r.state]
+        detail = f" ({r.status.get('state')})" if r.state == "skip" else ""
+        print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
+
+
+def _tables(runs: list[PlannedRun], out: str, checkpoints: list[str]) -> int:
+    """`--tables DIR`: the paper's tables of the runs; 1 if there were none to write."""
+    from omgrpo.analysis.paper_tables import write_tables
+
+    try:
+        tabled = next((c for c in checkpoints if c != "base"), "last")
+        dirs = [r.dir for r in runs if r.dir.exists()]
+        path = write_tables(dirs, out, tabled)
+        print(f"tables: {path}")
+    except FileNotFoundError as e:
+        print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _evaluate(runs: list[PlannedRun], suite: str, checkpoints: list[str], jobs: int) -> int:
@@ -561,6 +572,15 @@ def _evaluate(runs: list[PlannedRun], suite: str, checkpoints: list[str], jobs: 
     return 1 if failed else 0
 
 
+def _print_skipped(runs: list[PlannedRun], say) -> None:
+    for r in runs:
+        if r.state == "skip":
+            error = r.status.get("error") or {}
+            why = f": {error.get('type')}: {error.get('message')}" if error else ""
+            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
+            say(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
+
+
 def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -570,9 +590,7 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
     failed: list[tuple[PlannedRun, str]] = []
     lock = threading.Lock()
 
-    env = dict(os.environ)
-    env.setdefault("WANDB_MODE", "offline")
-    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env = {"WANDB_MODE": "offline", "MLFLOW_DISABLE_TELEMETRY": "true", **os.environ}
 
     def summary() -> str:
         return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))
@@ -581,12 +599,7 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
         f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished or failed "
         f"(skipped), {len(todo)} to run with {jobs} at once"
     )
-    for r in runs:
-        if r.state == "skip":
-            error = r.status.get("error") or {}
-            why = f": {error.get('type')}: {error.get('message')}" if error else ""
-            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
-            console.print(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
+    _print_skipped(runs, console.print)
 
     with Progress(
         TextColumn("[bold]{task.description}"),
