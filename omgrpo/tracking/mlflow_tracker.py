@@ -310,9 +310,10 @@ class MLflowTracker:
             self._call(self._attempt, lambda: self.client.log_artifact(self.run_id, str(path)))
 
     def finish(self, status) -> None:
-        """Send what is queued and set the run's status. Gives up (TimeoutError) when the
-        store has not answered for STALL_TIMEOUT_S: the run then stays RUNNING in MLflow
-        until `omgrpo sync` replaces it."""
+        """Send what is queued and set the run's status (tried once more even while the store
+        is down). Gives up when the store has not answered for STALL_TIMEOUT_S: the run then
+        stays RUNNING in MLflow until `omgrpo sync` sets its status, and a TimeoutError says so
+        unless this run already warned that the store is down."""
         status = _MLFLOW_STATUS[check_status(status)]
         worker = self._worker
         try:
