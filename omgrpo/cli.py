@@ -40,6 +40,8 @@ commands:
                          e.g. after its backend failed during training
   sweep sweeps/X.yaml [--jobs N] [--dry-run]
                          run a W&B sweep file's grid locally (resumable; finished runs skipped)
+  sweep --agent SWEEP_ID --jobs N
+                         N W&B agents, each with its share of the threads and GPUs
   bench car [--steps N] [--json] [--variants a_mv,c_om_grpo_car,...] [overrides...]
                          per-stage seconds of MV, OM-GRPO, OM-GRPO + CAR, and n = 16 / 64;
                          CAR's matmul FLOP/s against a dense matmul

@@ -1,6 +1,7 @@
 """`omgrpo sweep`: run a W&B sweep file's grid locally, in parallel and resumably.
 
     omgrpo sweep sweeps/main_table.yaml [--jobs N] [--dry-run] [--retry-failed] [overrides...]
+    omgrpo sweep --agent ENTITY/PROJECT/SWEEP_ID [--jobs N] [--count K] [--dry-run]
 
 The sweep files in `sweeps/` are ordinary W&B sweep configs (`method: grid`, `parameters`
 whose names are Hydra override keys, `command: ${env} ${interpreter} -m omgrpo train
@@ -20,9 +21,21 @@ subprocess:
   the trainer continues it from its newest checkpoint, and would skip it too had it finished
   meanwhile, as it does a W&B agent's rerun);
 - stdout and stderr of each run go to `<run.root>/<run.name>.log` (appended);
-- `--jobs N` runs N at once, each with `trainer.threads = max(1, cores // N)` unless set; the
-  MLflow store is created once beforehand (parallel first migrations would race) and each toy
-  base the runs need is trained once beforehand (on one thread, as everywhere);
+- `--jobs N` runs N at once, job slot i of N with its share of the machine (`job_split`):
+  `OMP_NUM_THREADS = max(1, cores // N)` and, for native runs, `trainer.threads` the same
+  unless set; the i-th of N equal slices of the visible GPUs in `CUDA_VISIBLE_DEVICES` (its
+  size in `OMGRPO_JOB_GPUS`, which a verl run takes as `trainer.n_gpus_per_node` unless set).
+  The MLflow store is created once beforehand (parallel first migrations would race) and each
+  toy base the runs need is trained once beforehand (on one thread, as everywhere);
+- `backend=verl` (in the sweep file or as an extra override, with a verl `experiment`): each
+  point is composed with the verl backend (`compose_verl`), named by its
+  `trainer.experiment_name` and kept in its checkpoint folder `trainer.default_local_dir`
+  (`<run.root>/<name>` when the sweep sets `run.root`); verl keeps no status omgrpo reads, so
+  such a run is launched again on a rerun and verl continues it from its newest checkpoint
+  (`run.resume=auto`), and exit code 0 means done;
+- `--agent SWEEP_ID --jobs N` starts N `wandb agent SWEEP_ID` processes instead, agent i with
+  the environment of job slot i (the threads and GPUs above), which the runs it starts
+  inherit;
 - `WANDB_MODE=offline` unless set; a failed run never stops the others; exit code 1 if any
   failed, listing their logs;
 - `--eval SUITE [--eval-checkpoint last,best,base] [--tables DIR]`: after training, every
@@ -36,10 +49,12 @@ import argparse
 import itertools
 import json
 import os
+import queue
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +64,16 @@ import yaml
 
 from omgrpo.tracking.store import DONE_STATES
 
-__all__ = ["PlannedRun", "SweepError", "expand_grid", "load_sweep", "main", "plan_runs"]
+__all__ = [
+    "PlannedRun",
+    "SweepError",
+    "agent_commands",
+    "expand_grid",
+    "job_split",
+    "load_sweep",
+    "main",
+    "plan_runs",
+]
 
 FAILED_STATE = "failed"
 SCALAR_TYPES = (str, int, float, bool)
@@ -170,6 +194,7 @@ class PlannedRun:
     mlflow_uri: str | None = None
     config: Any = field(default=None, repr=False)
     """The composed config (before run.resume / trainer.threads are added)."""
+    backend: str = "native"
 
     @property
     def dir(self) -> Path:
@@ -214,13 +239,20 @@ def plan_runs(
     seen: dict[str, list[str]] = {}
     for combo in grid:
         overrides = merge_overrides(combo, defaults, extra)
+        backend = backend_of(overrides)
+        uri = None
         try:
-            cfg = compose(overrides)
-            name, root = str(cfg.run.name), Path(str(cfg.run.root))
-            tracking = cfg.tracking
-            uri = None
-            if tracking.mlflow:
-                uri = str(resolve_tracking_config(tracking).mlflow_uri or default_mlflow_uri(root))
+            if backend == "verl":
+                cfg = compose_verl_run(overrides)
+                run_dir = Path(str(cfg.trainer.default_local_dir))
+                name, root = run_dir.name, run_dir.parent
+            else:
+                cfg = compose(overrides)
+                name, root = str(cfg.run.name), Path(str(cfg.run.root))
+                tracking = cfg.tracking
+                if tracking.mlflow:
+                    resolved = resolve_tracking_config(tracking).mlflow_uri
+                    uri = str(resolved or default_mlflow_uri(root))
         except Exception as e:
             raise SweepError(f"{path}: run {' '.join(overrides)} does not compose: {e}") from e
         key = str(root / name)
@@ -232,7 +264,7 @@ def plan_runs(
                 "them different run.root values"
             )
         seen[key] = overrides
-        status = status_if_readable(root / name)
+        status = status_if_readable(root / name)  # verl writes none: never skipped
         if status.get("state") in DONE_STATES or (
             status.get("state") == FAILED_STATE and not retry_failed
         ):
@@ -242,8 +274,25 @@ def plan_runs(
             overrides = merge_overrides(combo, defaults, ["run.resume=auto"], extra)
         else:
             state = "new"
-        runs.append(PlannedRun(name, root, overrides, state, status, uri, cfg))
+        runs.append(PlannedRun(name, root, overrides, state, status, uri, cfg, backend))
     return runs
+
+
+def backend_of(overrides: list[str]) -> str:
+    """The backend an override list trains with (`backend=...`, as `omgrpo train` reads it)."""
+    backends = [ov.partition("=")[2] for ov in overrides if override_key(ov) == "backend"]
+    return backends[-1] if backends else "native"
+
+
+def compose_verl_run(overrides: list[str]):
+    """The verl config `omgrpo train backend=verl ...` composes from these overrides."""
+    from omgrpo.backends.verl.config import compose_verl
+    from omgrpo.backends.verl.launch import parse
+
+    experiment, rest, _, _ = parse(overrides)
+    if experiment is None:
+        raise ValueError("backend=verl needs experiment=<verl preset>")
+    return compose_verl(experiment, rest)
 
 
 # ----------------------------------------------------------------------------------------
@@ -272,6 +321,71 @@ def _prepare_mlflow(runs: list[PlannedRun], say) -> None:
             say(f"warning: could not prepare the MLflow store {uri}: {e}")
 
 
+def visible_devices(env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs a job may use: `CUDA_VISIBLE_DEVICES` if set (empty: none), else the ones torch
+    sees (none without CUDA)."""
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    try:
+        import torch
+
+        return [str(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # no torch build with CUDA: no GPUs
+        return []
+
+
+def job_split(slot: int, jobs: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that give job slot `slot` of `jobs` running at once (local
+    `--jobs` runs or W&B agents) its share of the machine: `OMP_NUM_THREADS` (and
+    `MKL_NUM_THREADS`) = max(1, cores // jobs) unless `env` sets them, and, when there are
+    GPUs, the slot's slice of them in `CUDA_VISIBLE_DEVICES` (equal contiguous slices; with
+    fewer GPUs than jobs, slots share them round-robin) and its size in `OMGRPO_JOB_GPUS`.
+    Nothing for a single job."""
+    env = os.environ if env is None else env
+    if jobs <= 1:
+        return {}
+    threads = str(max(1, _cores() // jobs))
+    out = {var: threads for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if var not in env}
+    devices = visible_devices(env)
+    if devices:
+        if len(devices) >= jobs:
+            size = len(devices) // jobs
+            share = devices[slot * size : (slot + 1) * size]
+        else:
+            share = [devices[slot % len(devices)]]
+        from omgrpo.backends.verl.config import JOB_GPUS_VAR  # the verl run reads it
+
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(share)
+        out[JOB_GPUS_VAR] = str(len(share))
+    return out
+
+
+def agent_commands(sweep_id: str, jobs: int, count: int | None = None) -> list[tuple[dict, list]]:
+    """(environment additions, command) of each of `jobs` W&B agents for `sweep_id`."""
+    cmd = [sys.executable, "-m", "wandb", "agent", sweep_id]
+    if count is not None:
+        cmd += ["--count", str(count)]
+    return [(job_split(slot, jobs), list(cmd)) for slot in range(jobs)]
+
+
+def _run_agents(sweep_id: str, jobs: int, count: int | None, dry_run: bool) -> int:
+    """Start the agents (`agent_commands`) and wait for them; the worst exit code."""
+    agents = agent_commands(sweep_id, jobs, count)
+    for slot, (extra, cmd) in enumerate(agents):
+        split = " ".join(f"{k}={v}" for k, v in extra.items())
+        print(f"agent {slot}: {split + ' ' if split else ''}{' '.join(cmd)}")
+    if dry_run:
+        return 0
+    procs = [subprocess.Popen(cmd, env={**os.environ, **extra}) for extra, cmd in agents]
+    try:
+        return max(p.wait() for p in procs)
+    finally:
+        for p in procs:  # interrupted: do not leave agents behind
+            if p.poll() is None:
+                p.terminate()
+
+
 def _prepare_toy_bases(runs: list[PlannedRun], say) -> None:
     """Train each toy base the runs need once, before they start in parallel (otherwise each
     parallel run would train the same base at the same time); a base trains on one thread
@@ -281,7 +395,7 @@ def _prepare_toy_bases(runs: list[PlannedRun], say) -> None:
     needed: dict[str, Any] = {}
     for run in runs:
         cfg = run.config
-        if cfg is None or cfg.model.path or cfg.task.name != "toy":
+        if cfg is None or run.backend != "native" or cfg.model.path or cfg.task.name != "toy":
             continue
         key = toy_base_key(cfg.model, cfg.task)
         if not (Path(str(cfg.model.cache_dir)) / f"toy-base-{key}" / "config.json").exists():
@@ -314,6 +428,8 @@ def _run_one(run: PlannedRun, env: dict[str, str]) -> tuple[str, float]:
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         return f"failed: exit code {proc.returncode}", seconds
+    if run.backend == "verl":  # no status.json: its exit code says it all
+        return "done", seconds
     state = status_if_readable(run.dir).get("state")
     if state not in DONE_STATES:
         return f"failed: exited 0 but status is {state!r}", seconds
@@ -325,8 +441,17 @@ def main(argv: list[str] | None = None) -> int:
         prog="omgrpo sweep",
         description="Run a W&B sweep file's grid locally (resumable; finished runs skipped).",
     )
-    parser.add_argument("sweep_file", help="a W&B sweep YAML with method: grid (sweeps/*.yaml)")
+    parser.add_argument(
+        "sweep_file", nargs="?", help="a W&B sweep YAML with method: grid (sweeps/*.yaml)"
+    )
     parser.add_argument("--jobs", "-j", type=int, default=1, help="runs at once (default 1)")
+    parser.add_argument(
+        "--agent",
+        metavar="SWEEP_ID",
+        help="start --jobs `wandb agent SWEEP_ID` processes, each with its share of the "
+        "threads and GPUs, instead of running a sweep file locally",
+    )
+    parser.add_argument("--count", type=int, help="with --agent: runs per agent (wandb's --count)")
     parser.add_argument("--dry-run", action="store_true", help="print the expanded runs and exit")
     parser.add_argument(
         "--retry-failed",
@@ -348,6 +473,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.agent:
+        if args.sweep_file or args.overrides:
+            parser.error("--agent takes no sweep file or overrides (the sweep server has them)")
+        return _run_agents(args.agent, args.jobs, args.count, args.dry_run)
+    if not args.sweep_file:
+        parser.error("name a sweep file, or --agent SWEEP_ID")
 
     try:
         runs = plan_runs(args.sweep_file, args.overrides, retry_failed=args.retry_failed)
@@ -360,15 +491,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs > 1:
         threads = max(1, _cores() // args.jobs)
         for r in todo:
-            if not any(override_key(ov) == "trainer.threads" for ov in r.overrides):
+            if r.backend == "native" and not any(
+                override_key(ov) == "trainer.threads" for ov in r.overrides
+            ):
                 r.overrides.append(f"trainer.threads={threads}")
 
     if args.dry_run:
-        print(f"sweep {sweep_name}: {len(runs)} runs ({len(todo)} to run)")
-        for r in runs:
-            label = {"new": "run", "resume": "resume", "skip": "skip"}[r.state]
-            detail = f" ({r.status.get('state')})" if r.state == "skip" else ""
-            print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
+        _print_plan(sweep_name, runs, todo, args.jobs)
         return 0
 
     status = _execute(sweep_name, runs, todo, args.jobs)
@@ -376,17 +505,35 @@ def main(argv: list[str] | None = None) -> int:
         checkpoints = [c.strip() for c in args.eval_checkpoint.split(",") if c.strip()]
         status = max(status, _evaluate(runs, args.eval, checkpoints, args.jobs))
         if args.tables:
-            from omgrpo.analysis.paper_tables import write_tables
-
-            try:
-                tabled = next((c for c in checkpoints if c != "base"), "last")
-                dirs = [r.dir for r in runs if r.dir.exists()]
-                path = write_tables(dirs, args.tables, tabled)
-                print(f"tables: {path}")
-            except FileNotFoundError as e:
-                print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
-                status = max(status, 1)
+            status = max(status, _tables(runs, args.tables, checkpoints))
     return status
+
+
+def _print_plan(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> None:
+    """`--dry-run`: the job slots' shares of the machine and each run with its overrides."""
+    print(f"sweep {sweep_name}: {len(runs)} runs ({len(todo)} to run)")
+    for slot in range(jobs if jobs > 1 else 0):
+        split = " ".join(f"{k}={v}" for k, v in job_split(slot, jobs).items())
+        print(f"  job slot {slot}: {split}")
+    for r in runs:
+        label = {"new": "run", "resume": "resume", "skip": "skip"}[r.state]
+        detail = f" ({r.status.get('state')})" if r.state == "skip" else ""
+        print(f"  [{label}{detail}] {r.name}: {' '.join(r.overrides)}")
+
+
+def _tables(runs: list[PlannedRun], out: str, checkpoints: list[str]) -> int:
+    """`--tables DIR`: the paper's tables of the runs; 1 if there were none to write."""
+    from omgrpo.analysis.paper_tables import write_tables
+
+    try:
+        tabled = next((c for c in checkpoints if c != "base"), "last")
+        dirs = [r.dir for r in runs if r.dir.exists()]
+        path = write_tables(dirs, out, tabled)
+        print(f"tables: {path}")
+    except FileNotFoundError as e:
+        print(f"omgrpo sweep: no tables: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _evaluate(runs: list[PlannedRun], suite: str, checkpoints: list[str], jobs: int) -> int:
@@ -425,6 +572,15 @@ def _evaluate(runs: list[PlannedRun], suite: str, checkpoints: list[str], jobs: 
     return 1 if failed else 0
 
 
+def _print_skipped(runs: list[PlannedRun], say) -> None:
+    for r in runs:
+        if r.state == "skip":
+            error = r.status.get("error") or {}
+            why = f": {error.get('type')}: {error.get('message')}" if error else ""
+            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
+            say(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
+
+
 def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -434,9 +590,7 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
     failed: list[tuple[PlannedRun, str]] = []
     lock = threading.Lock()
 
-    env = dict(os.environ)
-    env.setdefault("WANDB_MODE", "offline")
-    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env = {"WANDB_MODE": "offline", "MLFLOW_DISABLE_TELEMETRY": "true", **os.environ}
 
     def summary() -> str:
         return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))
@@ -445,12 +599,7 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
         f"sweep {sweep_name}: {len(runs)} runs, {counts['skipped']} already finished or failed "
         f"(skipped), {len(todo)} to run with {jobs} at once"
     )
-    for r in runs:
-        if r.state == "skip":
-            error = r.status.get("error") or {}
-            why = f": {error.get('type')}: {error.get('message')}" if error else ""
-            hint = "; --retry-failed reruns it" if r.status.get("state") == FAILED_STATE else ""
-            console.print(f"  skipped {r.name} ({r.status.get('state')}{why}{hint})")
+    _print_skipped(runs, console.print)
 
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -468,16 +617,23 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
                 _prepare_mlflow(todo, progress.console.print)
                 _prepare_toy_bases(todo, progress.console.print)
 
+            slots: queue.Queue[int] = queue.Queue()
+            for slot in range(jobs):
+                slots.put(slot)
+
             def work(run: PlannedRun) -> tuple[str, float]:
                 with lock:
                     counts["running"] += 1
                     progress.update(task, summary=summary())
                 verb = "resuming" if run.state == "resume" else "starting"
                 progress.console.print(f"  {verb} {run.name}  (log: {run.log})")
+                slot = slots.get()  # free while this run has it: its threads and GPUs
                 try:
-                    return _run_one(run, env)
+                    return _run_one(run, {**env, **job_split(slot, jobs, env)})
                 except Exception as e:  # e.g. the log cannot be written
                     return f"failed: {e}", 0.0
+                finally:
+                    slots.put(slot)
 
             with ThreadPoolExecutor(max_workers=jobs) as pool:
                 futures = {pool.submit(work, r): r for r in todo}

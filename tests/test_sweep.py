@@ -290,3 +290,83 @@ def test_the_demo_is_the_studys_seed0_cut_short():
         assert round(a["optim.warmup_ratio"] * a["trainer.steps"]) == round(
             b["optim.warmup_ratio"] * b["trainer.steps"]
         )
+
+
+def test_job_split_gives_each_slot_its_threads_and_gpus(monkeypatch):
+    from omgrpo import sweep
+
+    monkeypatch.setattr(sweep, "_cores", lambda: 8)
+    gpus = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert sweep.job_split(0, 1, gpus) == {}  # one job: the whole machine
+    assert [sweep.job_split(i, 2, gpus) for i in range(2)] == [
+        {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "CUDA_VISIBLE_DEVICES": d,
+         "OMGRPO_JOB_GPUS": "2"}
+        for d in ("0,1", "2,3")
+    ]  # fmt: skip
+    # 3 jobs on 4 GPUs: one each (the 4th stays free); 4 jobs on 2 GPUs: shared in turn
+    assert [sweep.job_split(i, 3, gpus)["CUDA_VISIBLE_DEVICES"] for i in range(3)] == list("012")
+    two = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    assert [sweep.job_split(i, 4, two)["CUDA_VISIBLE_DEVICES"] for i in range(4)] == list("0101")
+    # no GPUs (an empty list hides them all); threads set by the user stay theirs
+    assert sweep.job_split(1, 3, {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}) == {
+        "MKL_NUM_THREADS": "2"
+    }
+
+
+def test_agents_get_the_split_of_jobs(monkeypatch, capsys):
+    """`omgrpo sweep --agent ID --jobs 2`: two `wandb agent ID` commands, each with its slot's
+    environment; `python -m wandb agent` is a command wandb has."""
+    import subprocess
+    import sys
+
+    from omgrpo import sweep
+
+    monkeypatch.setattr(sweep, "_cores", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["--agent", "team/omgrpo/abc123", "--jobs", "2", "--count", "3", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    command = f"{sys.executable} -m wandb agent team/omgrpo/abc123 --count 3"
+    assert lines == [
+        f"agent {i}: OMP_NUM_THREADS=2 MKL_NUM_THREADS=2 CUDA_VISIBLE_DEVICES={i} "
+        f"OMGRPO_JOB_GPUS=1 {command}"
+        for i in range(2)
+    ]
+    (_, cmd), _ = sweep.agent_commands("team/omgrpo/abc123", 2)
+    usage = subprocess.run([*cmd[:4], "--help"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 0 and "SWEEP_ID" in usage.stdout
+    with pytest.raises(SystemExit):  # agents take their grid from the sweep server
+        main(["sweeps/ttt.yaml", "--agent", "team/omgrpo/abc123"])
+
+
+def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
+    """backend=verl with a verl preset as extra overrides: every grid point composes with the
+    verl backend (named by trainer.experiment_name, kept in its checkpoint folder under
+    run.root), gets no native trainer.threads, and a rerun resumes (verl keeps no status)."""
+    from omgrpo import sweep
+
+    monkeypatch.setattr(sweep, "_cores", lambda: 8)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    path = tmp_path / "verl_pair.yaml"
+    body = {"method": "grid", "parameters": {"method": {"values": ["om_grpo", "mv"]},
+            "seed": {"value": 0}, "experiment": {"value": "toy"}, "run.root": {"value": "x"}}}  # fmt: skip
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    extra = ["backend=verl", "experiment=paper_qwen3_1p7b", f"run.root={tmp_path / 'ckpt'}"]
+    runs = plan_runs(path, extra)
+    assert [(r.name, r.backend, r.state) for r in runs] == [
+        ("verl_pair__om_grpo__s0", "verl", "new"),
+        ("verl_pair__mv__s0", "verl", "new"),
+    ]
+    assert [r.dir for r in runs] == [tmp_path / "ckpt" / r.name for r in runs]
+    assert [str(r.config.trainer.default_local_dir) for r in runs] == [str(r.dir) for r in runs]
+    assert main([str(path), *extra, "--jobs", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.threads" not in out and "backend=verl" in out
+    assert "job slot 1: OMP_NUM_THREADS=4 MKL_NUM_THREADS=4 CUDA_VISIBLE_DEVICES=4,5,6,7" in out
+    runs[0].dir.mkdir(parents=True)  # a checkpoint folder from an earlier launch
+    again = plan_runs(path, extra)
+    assert [r.state for r in again] == ["resume", "new"]
+    assert "run.resume=auto" in again[0].overrides

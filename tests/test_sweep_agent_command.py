@@ -37,15 +37,20 @@ def _combinations(sweep: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(zip(keys, grid[0], strict=True)), dict(zip(keys, grid[-1], strict=True))]
 
 
-def _agent_command(sweep: dict[str, Any], combo: dict[str, Any], tmp_path, monkeypatch):
-    """The command wandb's agent starts for a run of `combo` (its process recorded, not run)."""
+def _agent_command(
+    sweep: dict[str, Any], combo: dict[str, Any], tmp_path, monkeypatch, env_out=None
+):
+    """The command wandb's agent starts for a run of `combo` (its process recorded, not run);
+    the environment it gives the process goes into `env_out` if given."""
     from wandb import wandb_agent
 
     started = []
 
     class Recorder:
-        def __init__(self, command=None, **kwargs):
+        def __init__(self, command=None, env=None, **kwargs):
             started.append(command)
+            if env_out is not None:
+                env_out.update(env or {})
 
     monkeypatch.setattr(wandb_agent, "AgentProcess", Recorder)
     # _command_run writes the run's parameters under WANDB_DIR and exports these variables
@@ -119,3 +124,39 @@ def test_a_rerun_of_the_agent_command_continues_then_skips(tiny_overrides, tmp_p
     third = agent_run()
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"skipping {run_dir}: it already finished at step 3" in third.stdout
+
+
+def test_an_agent_of_a_split_machine_composes_a_verl_run_on_its_gpus(tmp_path, monkeypatch, capsys):
+    """`omgrpo sweep --agent ID --jobs 2` on a 4-GPU machine: agent 1's environment (the job
+    split) reaches the run wandb's agent starts, and the command it renders for a sweep file's
+    grid point with `backend: verl` composes (`omgrpo train ... --dry-run`, no Ray) into the
+    verl config of that point: 2 GPUs per node, the checkpoint folder under the file's
+    run.root, the method and seed of the point."""
+    from omgrpo.backends.verl.config import compose_verl
+    from omgrpo.sweep import job_split
+
+    sweep = load_sweep(SWEEPS / "ablations.yaml")
+    sweep["parameters"]["backend"] = {"value": "verl"}
+    sweep["parameters"]["experiment"] = {"value": "paper_qwen3_1p7b"}
+    combo = _combinations(sweep)[-1]
+    split = job_split(1, 2, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert split["CUDA_VISIBLE_DEVICES"] == "2,3" and split["OMGRPO_JOB_GPUS"] == "2"
+    for var, value in split.items():  # what `omgrpo sweep --agent` gives agent 1
+        monkeypatch.setenv(var, value)
+    env: dict[str, str] = {}
+    command = _agent_command(sweep, combo, tmp_path, monkeypatch, env_out=env)
+    assert {k: env.get(k) for k in split} == split
+    args = command[5:]
+    assert "backend=verl" in args and command[1:5] == ["python", "-m", "omgrpo", "train"]
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli.main(["train", *args, "--dry-run"]) == 0
+    parsed = yaml.safe_load(capsys.readouterr().out)
+    rest = [a for a in args if not a.startswith(("backend=", "experiment="))]
+    intended = compose_verl("paper_qwen3_1p7b", rest)
+    assert parsed == OmegaConf.to_container(intended, resolve=True), " ".join(command)
+    name = f"ablations__{combo['method']}__s{combo['seed']}"
+    assert parsed["trainer"]["experiment_name"] == name
+    assert parsed["trainer"]["n_gpus_per_node"] == 2
+    assert parsed["trainer"]["default_local_dir"] == f"runs/{name}"
+    assert parsed["omgrpo"]["method"] == combo["method"]
+    assert parsed["omgrpo"]["seed"] == combo["seed"]

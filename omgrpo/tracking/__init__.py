@@ -12,8 +12,11 @@ the source of truth and is written by the trainer itself. Trackers are mirrors f
 `FanOutTracker` calls each backend and turns the first error of a backend into one warning
 (`TrackerWarning`) and disables that backend for the rest of the run: training never stops
 because of a tracker, and a backend that stops answering (a locked database) holds up the end of
-the run by at most `STALL_TIMEOUT_S`. `omgrpo.tracking.sync.sync_run` replays the local run into
-a backend afterwards.
+the run by at most `STALL_TIMEOUT_S`. Transient failures (a server down or restarting, 5xx, a
+locked SQLite store; `retry`) do not disable MLflow: the call is retried with backoff, then the
+tracker warns once, drops writes while the store is down (bounded queue, probing every
+`PROBE_S`) and logs live again when it answers. `omgrpo.tracking.sync.sync_run` fills in what a
+backend missed afterwards (MLflow: exactly the missing points, into the same run).
 
 Identity: a run is its UUID (`RunStore.run_uuid()`, `identity.json`), not its path: the MLflow
 tag `omgrpo.run_uuid` and the W&B run id derive from it, and resume, sync and supersession
@@ -33,7 +36,8 @@ Modules, one job each:
 - `naming`: secrets (`redact`), metric names (`sanitize_metric_name`), params, run ids.
 - `fanout`: `FanOutTracker`, `build_trackers`, `replay_store`.
 - `mlflow_tracker`, `wandb_tracker`: one backend each (a new tracker is one new module here,
-  implementing `Tracker`, plus a line in `build_trackers`); `worker`: MLflow's writer thread.
+  implementing `Tracker`, plus a line in `build_trackers`); `worker`: MLflow's writer thread
+  (a bounded queue); `retry`: which errors are transient, and the retry policy (tenacity).
 - `store`: the local run store; `sync`: replay a run store into a backend afterwards.
 """
 
@@ -48,6 +52,7 @@ from omgrpo.tracking.base import (
 )
 from omgrpo.tracking.fanout import FanOutTracker, build_trackers, replay_store
 from omgrpo.tracking.mlflow_tracker import (
+    PROBE_S,
     RUN_DIR_TAG,
     RUN_UUID_TAG,
     STALL_TIMEOUT_S,
@@ -74,6 +79,7 @@ from omgrpo.tracking.wandb_tracker import (
 )
 
 __all__ = [
+    "PROBE_S",
     "RUN_DIR_TAG",
     "RUN_UUID_TAG",
     "STALL_TIMEOUT_S",

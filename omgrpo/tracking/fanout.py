@@ -20,7 +20,8 @@ from omgrpo.tracking.wandb_tracker import WandbTracker
 
 
 class FanOutTracker:
-    """Calls every backend; a backend that raises is warned about once and then disabled.
+    """Calls every backend; a backend that raises is warned about once and then disabled
+    (a backend rides out transient faults itself: see `MLflowTracker`).
 
     Metrics are buffered and flushed every `log_every` steps (and at `finish`), so a larger
     `log_every` lowers the overhead without losing steps. Never raises `Exception`s from a

@@ -29,6 +29,7 @@ from omgrpo.tracking.naming import (
     sanitize_metric_name,
 )
 from omgrpo.tracking.provenance import provenance_tags
+from omgrpo.tracking.retry import is_transient, quiet_mlflow_http_retries, retrying
 from omgrpo.tracking.store import RunStore
 from omgrpo.tracking.worker import Worker
 
@@ -39,6 +40,11 @@ RUN_DIR_TAG = "omgrpo.run_dir"
 """Where the run store was when the run (segment) started: informative only."""
 RUN_UUID_TAG = "omgrpo.run_uuid"
 """The run's identity (`RunStore.run_uuid()`): supersession, resume and sync match on it."""
+PROBE_S = 5.0
+"""While the store is not answering, writes are dropped (the run store has them) and one call
+is tried again at most this often; the first that passes ends the outage."""
+MAX_PENDING_POINTS = 100_000
+"""Metric points waiting for the writer thread (~30 MB) before newer ones are dropped."""
 
 
 def default_mlflow_uri(runs_root: Path) -> str:
@@ -136,6 +142,16 @@ class MLflowTracker:
     retires the older ones of the same identity (`_open_run`), so a resumed or re-synced run is
     one active run with one value per step, and runs of other machines that used the same path
     are left alone.
+
+    Faults: a call that fails with a transient error (server unreachable, 5xx, a locked
+    SQLite store; `omgrpo.tracking.retry`) is retried with backoff for up to `RETRY_S`; `start`
+    raises after that (FanOutTracker warns and carries on without MLflow). On the writer thread
+    the tracker instead goes *down*: it warns once per run, records `unsynced` in the run store,
+    drops writes (the run store has them) and tries one call every PROBE_S until the store
+    answers again, then logs live again. Training never waits for this: the writer's queue is
+    bounded (MAX_QUEUED_CALLS calls, MAX_PENDING_POINTS points), and what does not fit is
+    dropped the same way. `omgrpo sync RUN --to mlflow` later adds exactly the missing points
+    to the same MLflow run (`omgrpo.tracking.sync`).
     """
 
     name = "mlflow"
@@ -154,6 +170,11 @@ class MLflowTracker:
         self._pending: list = []  # Metric points not yet sent
         self._pending_lock = threading.Lock()
         self._tmp: str | None = None
+        self._run_dir: Path | None = None
+        self._down = False  # the store stopped answering (writer thread)
+        self._probe_at = 0.0  # while down: when the next call may try again (monotonic)
+        self._warned = False  # the one warning of this run was given
+        self._warn_lock = threading.Lock()
 
     @classmethod
     def from_config(
@@ -177,14 +198,23 @@ class MLflowTracker:
         `_open_run`), in the caller's thread (a fresh SQLite store is created, ~7 s, once; a
         locked one raises after STALL_TIMEOUT_S, where MLflow's own retries would take ~20 s).
         Later calls run on the worker thread with `background=True`."""
-        _quiet_mlflow_db_errors()
-        self.client = mlflow_client(self.uri)
-        if db := sqlite_db_path(self.uri):
-            _check_sqlite(db)
-        self._open_run(Path(run_dir), redact(config), name, group, list(tags), resume_step)
+        self._run_dir = Path(run_dir)
+        self.start_client()
+        # a failed attempt may leave a run behind: the next attempt's `find_runs` retires it
+        for attempt in retrying():
+            with attempt:
+                self._open_run(Path(run_dir), redact(config), name, group, list(tags), resume_step)
         self._tmp = tempfile.mkdtemp(prefix="omgrpo-mlflow-")
         if self.background:
             self._worker = Worker(f"omgrpo-mlflow-{self.run_id[:8]}")
+
+    def start_client(self) -> None:
+        """Open the client (a SQLite store: created or upgraded once; fail fast if locked)."""
+        _quiet_mlflow_db_errors()
+        quiet_mlflow_http_retries()
+        self.client = mlflow_client(self.uri)
+        if db := sqlite_db_path(self.uri):
+            _check_sqlite(db)
 
     def _open_run(self, run_dir: Path, config, name, group, tags, resume_step) -> None:
         """A new run holding the config (params, `config.yaml`) and tags (the run's UUID, its
@@ -250,13 +280,22 @@ class MLflowTracker:
                 if value is None or name == "train/step":
                     continue
                 points.append(Metric(self._key(name), value, now, int(step)))
+        if self._worker is not None and self._skipping():
+            return
         with self._pending_lock:
-            idle = not self._pending
-            self._pending += points
-        if idle:  # otherwise a flush is queued already and will take these too
+            if len(self._pending) + len(points) > MAX_PENDING_POINTS and self._worker is not None:
+                full = True
+            else:
+                full, idle = False, not self._pending
+                self._pending += points
+        if full:
+            self._lost(f"more than {MAX_PENDING_POINTS} metric points waiting to be written")
+        elif idle:  # otherwise a flush is queued already and will take these too
             self._call(self._send_pending)
 
     def log_rollouts(self, step, table) -> None:
+        if self._worker is not None and self._skipping():
+            return
         path = Path(self._tmp) / f"step_{int(step):06d}.parquet"
         table.to_parquet(path, index=False)
         self._call(self._log_file, path, "rollouts")
@@ -264,50 +303,129 @@ class MLflowTracker:
     def log_artifact(self, path) -> None:
         path = Path(path)
         if path.is_dir():
-            self._call(lambda: self.client.log_artifacts(self.run_id, str(path), path.name))
+            self._call(
+                self._attempt, lambda: self.client.log_artifacts(self.run_id, str(path), path.name)
+            )
         else:
-            self._call(lambda: self.client.log_artifact(self.run_id, str(path)))
+            self._call(self._attempt, lambda: self.client.log_artifact(self.run_id, str(path)))
 
     def finish(self, status) -> None:
-        """Send what is queued and set the run's status. Gives up (TimeoutError) when the
-        store has not answered for STALL_TIMEOUT_S: the run then stays RUNNING in MLflow
-        until `omgrpo sync` replaces it."""
+        """Send what is queued and set the run's status (tried once more even while the store
+        is down). Gives up when the store has not answered for STALL_TIMEOUT_S: the run then
+        stays RUNNING in MLflow until `omgrpo sync` sets its status, and a TimeoutError says so
+        unless this run already warned that the store is down."""
         status = _MLFLOW_STATUS[check_status(status)]
-        worker, self._worker = self._worker, None
+        worker = self._worker
         try:
             if worker is None:
                 if self.run_id is not None:
-                    self.client.set_terminated(self.run_id, status)
+                    self._attempt(lambda: self.client.set_terminated(self.run_id, status))
                 return
             try:
-                worker.submit(lambda: self.client.set_terminated(self.run_id, status))
-                if not worker.wait(stall_s=STALL_TIMEOUT_S):
+                self._probe_at = 0.0  # down or not, the run's end is worth one more try
+                terminate = lambda: self.client.set_terminated(self.run_id, status)  # noqa: E731
+                if not worker.wait(stall_s=STALL_TIMEOUT_S) or not (
+                    self._call(self._attempt, terminate) and worker.wait(stall_s=STALL_TIMEOUT_S)
+                ):
                     worker.abandon()
+                    with self._warn_lock:
+                        warned, self._warned = self._warned, True
+                    with contextlib.suppress(OSError):
+                        RunStore(self._run_dir).mark_unsynced("mlflow")
+                    if warned:  # said once already: the run store has it all
+                        return
                     raise TimeoutError(
                         f"the MLflow store {self.uri} did not answer for {STALL_TIMEOUT_S:.0f} s "
                         "(locked or unreachable); its run is left as it is"
                     )
             finally:
+                self._worker = None
                 worker.close()
         finally:
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
-    def _call(self, fn, *args) -> None:
-        if self._worker is not None:
-            self._worker.submit(fn, *args)
-        else:
+    def _call(self, fn, *args) -> bool:
+        """Run `fn(*args)` on the writer thread (queued; False if the queue was full and the
+        call dropped) or, without one, here."""
+        if self._worker is None:
             fn(*args)
+            return True
+        if self._worker.submit(fn, *args):
+            return True
+        self._lost(f"more than {self._worker.queue.maxsize} writes waiting")
+        return False
+
+    def _attempt(self, call) -> bool:
+        """`call()` with the fault policy: retried while it fails transiently; without a
+        writer thread the last error is raised, on it the tracker goes down (`_lost`) and
+        False is returned. While down, only one call per PROBE_S is tried, once. A
+        non-transient error is raised (the FanOutTracker disables the tracker)."""
+        worker = self._worker
+        if worker is None:
+            for attempt in retrying():
+                with attempt:
+                    call()
+            return True
+        if self._skipping():
+            return False
+        try:
+            if self._down:
+                call()
+            else:
+                for attempt in retrying(give_up=lambda: worker.abandoned):
+                    with attempt:
+                        call()
+        except Exception as e:
+            if not is_transient(e):
+                raise
+            self._down, self._probe_at = True, time.monotonic() + PROBE_S
+            self._lost(f"{type(e).__name__}: {_first_line(e)}")
+            return False
+        self._down = False
+        return True
+
+    def _skipping(self) -> bool:
+        """Down, and not yet time to try again: the write is dropped (and recorded)."""
+        if self._down and time.monotonic() < self._probe_at:
+            self._lost("")
+            return True
+        return False
+
+    def _lost(self, why: str) -> None:
+        """Some writes did not reach the store: say so once per run, and record it in the run
+        store so that `omgrpo sync` (and whoever lists runs) knows."""
+        with self._warn_lock:
+            warned, self._warned = self._warned, True
+        if warned:
+            return
+        where = self._run_dir if self._run_dir is not None else "the run"
+        with contextlib.suppress(OSError):
+            if self._run_dir is not None:
+                RunStore(self._run_dir).mark_unsynced("mlflow")
+        warnings.warn(
+            redact(
+                f"MLflow at {self.uri} is not taking this run's writes ({why}); training goes "
+                f"on and {where} keeps every step; MLflow is tried again every {PROBE_S:.0f} s "
+                f"and logs live once it answers; `omgrpo sync {where} --to mlflow` adds the "
+                "missing steps to the same MLflow run afterwards"
+            ),
+            TrackerWarning,
+            stacklevel=2,
+        )
 
     def _send_pending(self) -> None:
         with self._pending_lock:
             points, self._pending = self._pending, []
         for chunk in _chunks(points, 1000):
-            self.client.log_batch(self.run_id, metrics=chunk, synchronous=True)
+            if not self._attempt(
+                lambda c=chunk: self.client.log_batch(self.run_id, metrics=c, synchronous=True)
+            ):
+                return  # the rest is dropped too: the store is down
 
     def _log_file(self, path: Path, artifact_path: str) -> None:
         try:
-            self.client.log_artifact(self.run_id, str(path), artifact_path)
+            self._attempt(lambda: self.client.log_artifact(self.run_id, str(path), artifact_path))
         finally:
             path.unlink(missing_ok=True)
 
@@ -403,6 +521,12 @@ def _all_experiments(client):
         token = page.token
         if not token:
             return out
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+    text = str(error).strip().splitlines()
+    line = text[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _chunks(items: list, size: int):

@@ -6,7 +6,8 @@ rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, adva
 checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
 status.json            running / finished / failed / killed, the last step that completed
                        (`step`; `failed_step` where a step failed), and why it stopped
-trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them)
+trackers.json          the ids the trackers gave this run (a moved or resumed run keeps them),
+                       and `unsynced`: the trackers that missed steps (`omgrpo sync` fills in)
 identity.json          the run's identity: `{"uuid": ...}`, made when the run starts fresh. The
                        trackers' ids derive from it, so a moved or copied directory is the same
                        run and a new run at a path used before is a different one. A store
@@ -291,11 +292,30 @@ class RunStore:
 
     # -- tracker ids ----------------------------------------------------------------------
     def tracker_ids(self) -> dict[str, str]:
-        path = self.dir / "trackers.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        """backend -> the id of this run there (`trackers.json`)."""
+        return {k: v for k, v in self._trackers_json().items() if isinstance(v, str)}
 
     def set_tracker_id(self, backend: str, run_id: str) -> None:
-        _write_json_atomic(self.dir / "trackers.json", {**self.tracker_ids(), backend: run_id})
+        _write_json_atomic(self.dir / "trackers.json", {**self._trackers_json(), backend: run_id})
+
+    def unsynced(self) -> list[str]:
+        """The backends that missed some of this run while training (their server did not
+        answer, or fell too far behind): `omgrpo sync RUN --to BACKEND` fills them in."""
+        return list(self._trackers_json().get("unsynced", []))
+
+    def mark_unsynced(self, backend: str, missing: bool = True) -> None:
+        """Record (`missing`) or clear that `backend` lacks some of this run (`unsynced`)."""
+        data = self._trackers_json()
+        names = [b for b in data.get("unsynced", []) if b != backend] + ([backend] * missing)
+        if names:
+            data["unsynced"] = names
+        else:
+            data.pop("unsynced", None)
+        _write_json_atomic(self.dir / "trackers.json", data)
+
+    def _trackers_json(self) -> dict[str, Any]:
+        path = self.dir / "trackers.json"
+        return json.loads(path.read_text()) if path.exists() else {}
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -6,11 +6,13 @@ uses its own experiment and run directory.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -326,11 +328,19 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     assert seconds < STALL_TIMEOUT_S + 1, seconds
     assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
 
+    assert store.unsynced() == ["mlflow"]
+    # `omgrpo sync` runs after the training process ended; here, in the same process, the
+    # abandoned writer's call blocked on the lock may still land: let it end first
+    for thread in threading.enumerate():
+        if thread.name.startswith("omgrpo-mlflow-"):
+            thread.join(timeout=30)
+    # the sync fills in the run the training opened (in its experiment, "g"), keeping its id
     run_id = sync_run(run_dir, "mlflow", TrackingConfig(mlflow_uri=mlflow_uri))
+    assert run_id == store.tracker_ids()["mlflow"] and store.unsynced() == []
     assert_history_equals_store(mlflow_uri, run_id, store)
     client = mlflow_client(mlflow_uri)
     assert client.get_run(run_id).info.status == "FINISHED"
-    exp = client.get_experiment_by_name("locked-exp")
+    exp = client.get_experiment_by_name("g")
     assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
 
 
@@ -654,3 +664,93 @@ def test_build_trackers_from_a_dict(tmp_path):
     with pytest.raises(ValueError, match="unknown tracking fields"):
         build_trackers({"wandb_projcet": "x"}, tmp_path)
     assert isinstance(NullTracker(), Tracker) and isinstance(MLflowTracker("x"), Tracker)
+
+
+# -- faults: retries, the bounded writer queue ----------------------------------------------
+def test_transient_errors_are_retried_with_backoff_and_others_raise_at_once():
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos import databricks_pb2 as codes
+
+    from omgrpo.tracking.retry import is_transient, retrying
+
+    def mlflow_error(code):
+        return MlflowException("x", error_code=code)
+
+    assert is_transient(ConnectionRefusedError()) and is_transient(TimeoutError())
+    for code in (codes.INTERNAL_ERROR, codes.TEMPORARILY_UNAVAILABLE, codes.REQUEST_LIMIT_EXCEEDED):
+        assert is_transient(mlflow_error(code)), code  # down server, locked SQLite, 429
+    for code in (codes.INVALID_PARAMETER_VALUE, codes.RESOURCE_DOES_NOT_EXIST):
+        assert not is_transient(mlflow_error(code)), code
+    assert not is_transient(ValueError("a bug"))
+    assert not is_transient(FileNotFoundError("no such folder"))  # a typo in a path stays one
+
+    calls = []
+
+    def flaky(fails: int, error: Exception):
+        calls.append(time.monotonic())
+        if len(calls) <= fails:
+            raise error
+
+    for attempt in retrying(seconds=5):
+        with attempt:
+            flaky(2, ConnectionResetError("reset"))
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert len(calls) == 3 and gaps[0] >= 0.25 and gaps[1] >= 0.5, gaps  # backoff 0.25, 0.5
+    calls.clear()
+    with pytest.raises(ValueError):
+        for attempt in retrying(seconds=5):
+            with attempt:
+                flaky(5, ValueError("not transient"))
+    assert len(calls) == 1
+    calls.clear()
+    tic = time.monotonic()
+    with pytest.raises(ConnectionRefusedError):  # still down when the time is up
+        for attempt in retrying(seconds=1):
+            with attempt:
+                flaky(99, ConnectionRefusedError())
+    assert time.monotonic() - tic >= 1 and 2 <= len(calls) <= 5  # 0.25 + 0.5 + 1 s apart
+
+
+def test_the_writer_queue_is_bounded_and_never_blocks():
+    from omgrpo.tracking.worker import Worker
+
+    release, ran = threading.Event(), []
+    worker = Worker("test-writer", maxsize=2)
+    assert worker.submit(release.wait)  # taken by the thread, which now waits
+    deadline = time.monotonic() + 10
+    while worker.queue.qsize() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert worker.submit(ran.append, 1) and worker.submit(ran.append, 2)
+    tic = time.perf_counter()
+    assert not worker.submit(ran.append, 3)  # full: refused at once, not queued
+    assert time.perf_counter() - tic < 0.1
+    release.set()
+    assert worker.wait(stall_s=5) and ran == [1, 2]
+    worker.close()
+
+
+def test_an_unreachable_server_at_start_costs_the_retry_time_once(tmp_path):
+    """Nothing listens on the port: `start` gives up after RETRY_S (MLflow's own HTTP retries,
+    ~4 min a call, are off), one warning, and the run goes on without MLflow."""
+    import socket
+
+    from omgrpo.tracking.retry import RETRY_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    fan = build_trackers(
+        TrackingConfig(mlflow_uri=f"http://127.0.0.1:{port}", wandb=False), tmp_path
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tic = time.perf_counter()
+        fan.start(tmp_path / "run", {}, name="n", group="g", tags=[])
+        seconds = time.perf_counter() - tic
+        for step in range(3):
+            fan.log_metrics(step, {"x": 1.0})
+        fan.finish("finished")
+    ours = [str(w.message) for w in caught if issubclass(w.category, TrackerWarning)]
+    assert len(ours) == 1 and "failed in start()" in ours[0] and "omgrpo sync" in ours[0], ours
+    assert RETRY_S <= seconds < RETRY_S + 30, seconds  # not MLflow's ~4 min
+    assert fan.active == []

@@ -11,6 +11,7 @@ section is left alone. The section's schema is `OmgrpoVerlConfig`; a method pres
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass, field, fields
 
@@ -59,6 +60,10 @@ class VerlRunSection:
     `trainer.resume_mode=auto`; true also allows `resume_path` with `trainer.resume_from_path`);
     false starts from scratch (`disable`), and the launch refuses a folder that already holds
     a checkpoint (RESUME_MODES)."""
+    root: str | None = None
+    """As the native `run.root` (so that sweep files, which set it, compose for both backends):
+    the checkpoint folder `trainer.default_local_dir` becomes `<root>/<experiment_name>` unless
+    given; null: the preset's (`checkpoints/<project>/<experiment_name>`)."""
 
 
 VERL_ACTOR_KEYS: dict[str, str] = {
@@ -115,6 +120,10 @@ SEED_KEYS: tuple[str, ...] = (
 )
 """verl's seeds that follow `omgrpo.seed`: data shuffle, rollout sampling, mini-batch shuffle."""
 
+JOB_GPUS_VAR = "OMGRPO_JOB_GPUS"
+"""How many GPUs a job of `omgrpo sweep --jobs` / `--agent` has (`omgrpo.sweep.job_split`):
+`trainer.n_gpus_per_node` unless given."""
+
 SCHEMA_NAME = "omgrpo_verl_schema"
 AGENT_LOOP_MANAGER = "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
 
@@ -151,8 +160,8 @@ def _translate(overrides: list[str]) -> list[str]:
     return out
 
 
-def _given(overrides: list[str], key: str) -> bool:
-    return any(o.partition("=")[0].lstrip("+~") == key for o in overrides)
+def _given(overrides: list[str] | None, key: str) -> bool:
+    return any(o.partition("=")[0].lstrip("+~") == key for o in overrides or [])
 
 
 def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictConfig:
@@ -174,6 +183,13 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
         cfg.pop("hydra", None)
         if not _given(list(overrides or []), "trainer.resume_mode"):
             cfg.trainer.resume_mode = _resume_modes(cfg.omgrpo.run.resume)[0]
+        if cfg.omgrpo.run.root is not None and not _given(overrides, "trainer.default_local_dir"):
+            cfg.trainer.default_local_dir = "${omgrpo.run.root}/${trainer.experiment_name}"
+        # a job of `omgrpo sweep --jobs` / `--agent` sees only its slice of the GPUs
+        if (gpus := os.environ.get(JOB_GPUS_VAR)) and not _given(
+            overrides, "trainer.n_gpus_per_node"
+        ):
+            cfg.trainer.n_gpus_per_node = int(gpus)
     validate_section(cfg)
     return cfg
 
