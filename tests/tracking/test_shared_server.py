@@ -159,7 +159,7 @@ def run_overrides(tiny_overrides: list[str], steps: int) -> list[str]:
 DOWN_WARNING = "is not taking this run's writes"
 OUTAGE_S = 10.0
 STEPS = 50
-"""Long enough that the runs outlast the outage on a loaded 2-core machine (asserted)."""
+"""Long enough that runs outlast the outage on a 2-core machine (at least one, asserted)."""
 
 
 def test_agents_share_one_server_through_a_crash_and_a_reused_path(
@@ -181,17 +181,18 @@ def test_agents_share_one_server_through_a_crash_and_a_reused_path(
         env = shared_env(server.uri)
         overrides = run_overrides(tiny_overrides, STEPS)
         procs = [train_in(d, name, overrides, env) for d in dirs for name in ("r0", "r1")]
-        before = crash_mid_run(server, runs, procs)
+        before, alive = crash_mid_run(server, runs, procs)
         outputs = wait_ok(procs)
-        # each run: one warning; steps in the server from before the kill and after the
-        # restart, and a gap between them that the sync has to fill
-        for run_dir, out, old in zip(runs, outputs, before, strict=True):
+        # each run: one warning; steps in the server from before the kill and, for a run
+        # still training at the restart, after it; and a gap between them that the sync fills
+        for run_dir, out, old, live in zip(runs, outputs, before, alive, strict=True):
             assert out.count(DOWN_WARNING) == 1, out[-3000:]
             assert "failed in" not in out, out[-3000:]  # MLflow was never switched off
             assert RunStore(run_dir).unsynced() == ["mlflow"]
             logged = server_steps(server.db, mlflow_id(run_dir))
             assert len(old) >= 2 and old <= logged
-            assert max(logged) == STEPS, (run_dir, sorted(logged))  # live after the restart
+            if live:
+                assert max(logged) == STEPS, (run_dir, sorted(logged))  # live after restart
             assert len(logged) < STEPS + 1, (run_dir, sorted(logged))  # ... and a gap
 
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
@@ -214,9 +215,13 @@ def test_agents_share_one_server_through_a_crash_and_a_reused_path(
         assert_each_run_once_as_stored(server, runs)
 
 
-def crash_mid_run(server: MlflowServer, runs: list[Path], procs) -> list[set[int]]:
+def crash_mid_run(
+    server: MlflowServer, runs: list[Path], procs
+) -> tuple[list[set[int]], list[bool]]:
     """Kill the server once every run has logged 2 steps to it, restart it OUTAGE_S later;
-    the steps each run had in the server at the kill. Asserts that no run ended meanwhile."""
+    the steps each run had in the server at the kill, and which runs were still training at
+    the restart (a run that ended during the outage is legitimate on a fast machine: its
+    missed steps are the sync's to fill; at least one run must still be training)."""
     deadline = time.monotonic() + 300
     while min(len(server_steps(server.db, mlflow_id(r))) for r in runs) < 2:
         assert all(p.poll() is None for p in procs), [p.out.read_text()[-2000:] for p in procs]
@@ -227,11 +232,12 @@ def crash_mid_run(server: MlflowServer, runs: list[Path], procs) -> list[set[int
     time.sleep(OUTAGE_S)
     at_restart = [local_step(r) for r in runs]
     server.start()
-    assert max(at_restart) < STEPS, (
-        f"a run reached its last step during the outage (steps {at_restart} of {STEPS}): "
+    alive = [step < STEPS for step in at_restart]
+    assert any(alive), (
+        f"every run reached its last step during the outage (steps {at_restart} of {STEPS}): "
         "this machine is faster than the test assumes; raise STEPS"
     )
-    return before
+    return before, alive
 
 
 def assert_each_run_once_as_stored(server: MlflowServer, runs: list[Path]) -> None:
