@@ -32,10 +32,19 @@ BACKBONES = {
 }
 
 
+@pytest.fixture(scope="module")
+def presets():
+    """Every verl preset composed once: the paper's 8-GPU ones and the one-GPU ones."""
+    return {
+        name: compose_verl(name, [f"actor_rollout_ref.model.path={model_dir}"])
+        for base, model_dir in BACKBONES.items()
+        for name in (base, f"{base}_1gpu")
+    }
+
+
 @pytest.mark.parametrize("preset", list(BACKBONES))
-def test_one_gpu_preset_has_the_planners_settings_and_fits_80_gib(preset):
-    model_dir = BACKBONES[preset]
-    cfg = compose_verl(f"{preset}_1gpu", [f"actor_rollout_ref.model.path={model_dir}"])
+def test_one_gpu_preset_has_the_planners_settings_and_fits_80_gib(presets, preset):
+    cfg, model_dir = presets[f"{preset}_1gpu"], BACKBONES[preset]
     assert cfg.trainer.n_gpus_per_node == 1 and cfg.data.train_batch_size == 128
     derived = one_gpu_settings(model_shape(str(model_dir)), 80 * GIB, 512, 3072)
     for key, value in preset_overrides(derived).items():
@@ -45,29 +54,26 @@ def test_one_gpu_preset_has_the_planners_settings_and_fits_80_gib(preset):
     assert plan.vllm["sequences"] >= 8  # vLLM holds a whole group of 3584-token rollouts
 
 
-def test_rollout_stage_hand_computed_for_qwen3_without_offload():
+def test_every_verl_preset_fits_80_gib_per_gpu(presets):
+    for name, cfg in presets.items():
+        plan = plan_verl(cfg, cfg.actor_rollout_ref.model.path, 80 * GIB)
+        assert plan.fits, (name, plan.problems)
+
+
+def test_rollout_stage_hand_computed_for_qwen3_without_offload(presets):
     shape = model_shape(str(BACKBONES["paper_qwen3_1p7b"]))
-    st = verl_settings(compose_verl("paper_qwen3_1p7b_1gpu"))
-    plan = build_verl_plan(shape, st, 80 * GIB)
+    plan = build_verl_plan(shape, verl_settings(presets["paper_qwen3_1p7b_1gpu"]), 80 * GIB)
     # vLLM's share of the device + the actor's fp32 weights (4 P) and AdamW moments (8 P)
     assert plan.stages["rollout"] == int(0.65 * 80 * GIB) + 12 * 1_720_574_976
 
 
-@pytest.mark.parametrize("preset", [*BACKBONES, *(f"{p}_1gpu" for p in BACKBONES)])
-def test_every_verl_preset_fits_80_gib_per_gpu(capsys, preset):
-    model_dir = BACKBONES[preset.removesuffix("_1gpu")]
-    args = ["plan", "backend=verl", f"experiment={preset}", "--device-gb", "80", "--json"]
-    code = cli.main([*args, f"actor_rollout_ref.model.path={model_dir}"])
-    plan = json.loads(capsys.readouterr().out)
-    assert code == 0 and plan["fits"] and plan["problems"] == []
-
-
-def test_a_one_gpu_preset_on_a_smaller_gpu_is_refused_naming_the_stage(capsys):
-    model_dir = BACKBONES["paper_qwen2p5_7b"]
-    args = ["plan", "backend=verl", "experiment=paper_qwen2p5_7b_1gpu", "--device-gb", "24"]
-    code = cli.main([*args, f"actor_rollout_ref.model.path={model_dir}"])
-    out = capsys.readouterr().out
-    assert code == 1 and re.search(r"verdict: does not fit: rollout needs [\d.]+ GiB", out)
+def test_plan_cli_for_verl_fits_80_and_refuses_24_naming_the_stage(capsys):
+    model = f"actor_rollout_ref.model.path={BACKBONES['paper_qwen2p5_7b']}"
+    args = ["plan", "backend=verl", "experiment=paper_qwen2p5_7b_1gpu", model, "--device-gb"]
+    assert cli.main([*args, "80", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fits"] is True
+    assert cli.main([*args, "24"]) == 1
+    assert re.search(r"verdict: does not fit: .*update needs [\d.]+ GiB", capsys.readouterr().out)
 
 
 def test_readme_table_is_what_plan_table_prints(capsys):

@@ -3,6 +3,8 @@ against the 25 % target here: short sequences leave only noise-sized transients)
 
 import json
 
+import pytest
+
 from omgrpo.tools.memory_bench import CONFIGS, bench_memory, shrunk_config
 
 STAGES = {"generation", "scoring", "update", "update_no_checkpointing"}
@@ -16,10 +18,16 @@ def test_shrunk_config_keeps_layers_and_heads_and_divides_the_widths():
     assert config["vocab_size"] == 152064 // 16
 
 
+@pytest.mark.slow
 def test_bench_memory_json_shape(tmp_path):
+    # Qwen3-1.7B's config with 2 layers: the JSON's shape, at a fraction of the cost
+    config = json.loads((CONFIGS / "qwen3-1.7b-base" / "config.json").read_text())
+    model_dir = tmp_path / "qwen3-2-layers"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 2}))
     out = tmp_path / "partial.json"
     result = bench_memory(
-        configs=["qwen3-1.7b-base"],
+        configs=[str(model_dir)],
         partial=out,
         prompts=1,
         n=2,
@@ -29,8 +37,8 @@ def test_bench_memory_json_shape(tmp_path):
     )
     json.dumps(result)  # JSON-serialisable
     assert result["benchmark"] == "memory" and "decodes 4 new tokens" in result["shortened"]
-    config = result["configs"]["qwen3-1.7b-base"]
-    assert config["shrunk_config"]["num_hidden_layers"] == 28
+    config = result["configs"]["qwen3-2-layers"]
+    assert config["shrunk_config"]["num_hidden_layers"] == 2
     assert config["rows_generated"] == 2 and config["update_rows"] == 1
     assert set(config["stages"]) == STAGES
     for stage in config["stages"].values():
