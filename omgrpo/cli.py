@@ -27,6 +27,9 @@ commands:
                          and model.path's config.json (no weights), and whether it fits a
                          device of N GiB (default: the visible GPU's); exit 1 when it does not,
                          naming the stage and the knobs that would make it fit
+  plan backend=verl experiment=X actor_rollout_ref.model.path=DIR --device-gb N [--json]
+                         per-GPU plan of a verl preset (vLLM, log-prob, update stages)
+  plan --table           what fits where: the paper's backbones on 24 / 48 / 80 GiB
   base [--ship [--note TEXT]] [overrides...]
                          the toy base of a config (e.g. experiment=toy_shortcut): installed from
                          omgrpo/bases/ or trained, with its acceptance checks; --ship copies it
@@ -49,6 +52,9 @@ commands:
                          seconds per step by stage, rollout tokens/s and peak memory (MV, toy,
                          16x8 and 64x8); --baseline DIR: the same for the omgrpo tree in DIR;
                          --vs-trl: TRL's GRPOTrainer; --repeats: interleaved rounds, medians
+  bench memory [--json] [--configs a,b] [--gen-tokens N]
+                         the memory plan against the peak RSS of one step on the CPU (the
+                         backbones' layers and head layout, widths / 16, the paper's lengths)
   eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
                          [--backend native|vllm] [--tensor-parallel-size N]
                          [--gpu-memory-utilization F]
@@ -137,6 +143,10 @@ def available_backends() -> list[str]:
 
 def _plan(args: list[str]) -> int:
     """`omgrpo plan`: 0 fits, 1 does not fit, 2 cannot plan (no model.path, no device size)."""
+    if "--table" in args or "backend=verl" in args:  # what fits where; verl's per-GPU plan
+        from omgrpo.tools.plan_table import main as plan_table_main
+
+        return plan_table_main(args)
     import argparse
     import json
     from pathlib import Path

@@ -45,7 +45,8 @@ planned at its longest: a batch is padded to its longest row).
   its gradient and the fp32 cast). Assumes a fused attention kernel (no T × T scores).
 - **optimizer step**: foreach AdamW's P·b denominator.
 
-Not checked against a measurement yet (`omgrpo bench memory` is left, issue 25) nor on a GPU.
+Checked against a measurement on the CPU only (`omgrpo bench memory`: the backbones' layers and
+head layout with every width / 16, docs/memory.md); never on a GPU.
 """
 
 from __future__ import annotations
@@ -534,8 +535,8 @@ def _notes(s: Sizes, chunk: int) -> list[str]:
     return [
         f"generation in chunks: {chunk} of the step's {s.rows} rows at once, sized by {sized}; "
         "the samples do not depend on the chunks",
-        "planned, not measured: no GPU has run these figures and `omgrpo bench memory` is "
-        "not written yet (issue 25)",
+        "planned: no GPU has run these figures; `omgrpo bench memory` checks them on the CPU "
+        "(the backbones with every width / 16)",
     ]
 
 

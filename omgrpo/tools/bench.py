@@ -21,6 +21,10 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   a warm-up and is dropped) and the ratios `car_over_gen` = time/car / time/gen in (c) and
   `step_car_over_mv` = time/step (c) / (a); `--variants` picks a subset (a and c always). Also
   CAR's achieved matmul FLOP/s against a dense matmul in the same process (`throughput`).
+
+`memory`: the memory planner against a measurement on the CPU: the three backbones with their
+  real layer count and attention layout and every width divided by 16, one step at the paper's
+  lengths, the peak RSS of each stage against the plan (`omgrpo.tools.memory_bench`).
 """
 
 from __future__ import annotations
@@ -325,14 +329,20 @@ def _median_figures(runs: list[dict]) -> dict:
     return out
 
 
-BENCHMARKS = {"car": bench_car, "step": bench_step}
+def bench_memory(steps: int = 1, overrides=None, partial=None, **kwargs) -> dict:
+    from omgrpo.tools.memory_bench import bench_memory as run
+
+    return run(steps=steps, overrides=overrides, partial=partial, **kwargs)
+
+
+BENCHMARKS = {"car": bench_car, "step": bench_step, "memory": bench_memory}
 
 
 def _trl_installed() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def main(argv: list[str]) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omgrpo bench", description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(BENCHMARKS))
     parser.add_argument("--steps", type=int, default=3, help="steps per variant (first dropped)")
@@ -364,23 +374,42 @@ def main(argv: list[str]) -> int:
         type=lambda text: text.split(","),
         help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
     )
+    parser.add_argument(
+        "--configs",
+        type=lambda text: text.split(","),
+        help="memory: fixture names or directories with a config.json (default: the three backbones)",
+    )
+    parser.add_argument(
+        "--gen-tokens",
+        type=int,
+        help="memory: new tokens the generation stage decodes (default: the response length)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
+    return parser
+
+
+def _kwargs(ns) -> dict:
+    if ns.name == "step":
+        return {
+            "baseline": ns.baseline,
+            "new_only": ns.new_only,
+            "vs_trl": ns.vs_trl,
+            "repeats": ns.repeats,
+        }
+    if ns.name == "memory":
+        return {"configs": ns.configs, "gen_tokens": ns.gen_tokens}
+    return {"variants": ns.variants}
+
+
+def main(argv: list[str]) -> int:
+    parser = _parser()
     ns = parser.parse_intermixed_args(argv)
     if ns.vs_trl and not _trl_installed():  # before any run: the peer would fail last
         parser.error(
             "--vs-trl needs TRL (the `bench` extra), which cannot share an environment with "
             "verl 0.9.1: run `make bench-env`, then `.venv-trl/bin/omgrpo bench step --vs-trl ...`"
         )
-    kwargs = (
-        {
-            "baseline": ns.baseline,
-            "new_only": ns.new_only,
-            "vs_trl": ns.vs_trl,
-            "repeats": ns.repeats,
-        }
-        if ns.name == "step"
-        else {"variants": ns.variants}
-    )
+    kwargs = _kwargs(ns)
     with contextlib.redirect_stdout(sys.stderr):  # training's console; stdout is the result
         result = BENCHMARKS[ns.name](
             steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs
@@ -395,4 +424,8 @@ def main(argv: list[str]) -> int:
             f"time/car / time/gen = {r['car_over_gen']:.2f} (target <= 1.5); "
             f"step(CAR) / step(MV) = {r['step_car_over_mv']:.2f} (target <= 2.0)"
         )
+    if not ns.json and ns.name == "memory":
+        for name, r in result["configs"].items():
+            ratios = ", ".join(f"{k} {v['peak_ratio']:.2f}" for k, v in r["stages"].items())
+            print(f"{name}: measured / planned peak: {ratios} (target: within 25 %)")
     return 0
