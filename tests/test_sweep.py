@@ -22,6 +22,8 @@ EXPECTED_RUNS = {
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
     "collapse_study_worlds": 4 * 3 * 1,
+    # the v2 calibration (make calibration): gt, mv_shuffled per seed and candidate
+    "collapse_calibration": 2 * 1,
 }
 
 
