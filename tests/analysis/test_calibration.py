@@ -88,3 +88,29 @@ def test_one_seed_decides_nothing_and_a_missing_candidate_limits_every_one():
     assert x.gt_values == pytest.approx([0.10])  # shown as an observation
     x, z = judge(_frame(), ["x", "z"], headroom=0.06, base_passed=True)
     assert x.seeds == [] and x.passed is None and math.isnan(z.lr)
+
+
+def test_process_quality_section_by_hand():
+    """The study report's process-quality table: start -> final seed means per world/method."""
+    from omgrpo.analysis.study import process_quality_section
+
+    spec = {"start_step": 0, "final_steps": [120, 135, 150]}
+    frames = []
+    for seed, final in ((0, 0.4), (1, 0.6)):
+        chain = [0.3 if t < 120 else final for t in STEPS]
+        frames.append(
+            pd.DataFrame(
+                {
+                    "experiment": "w",
+                    "method": "gt",
+                    "run": f"w__gt__s{seed}",
+                    "step": STEPS,
+                    "val/chain_acc_hard": chain,
+                    "val/guess_truncated_hard": [0.1] * len(STEPS),
+                }
+            )
+        )
+    lines = process_quality_section(pd.concat(frames, ignore_index=True), spec)
+    row = next(line for line in lines if line.startswith("| w |"))
+    assert row == "| w | gt | 2 | 0.30 → 0.50 | 0.10 → 0.10 |"
+    assert process_quality_section(pd.DataFrame({"val/acc": [0.5]}), spec) == []
