@@ -180,7 +180,12 @@ def run_table(df: pd.DataFrame) -> list[str]:
         for m in ("val/acc", "val/acc_easy", "val/acc_hard", "val/guess_rate_hard"):
             val = r.dropna(subset=[m]).set_index("step")[m]
             final = val.reindex(FINAL_STEPS).mean()
-            cells.append(f"{val.iloc[0]:.3f} → {final:.3f}" if len(val) else "–")
+            if not len(val):
+                cells.append("–")
+            elif math.isnan(final):  # not there yet: the latest validation
+                cells.append(f"{val.iloc[0]:.3f} → {val.iloc[-1]:.3f} (step {val.index[-1]})")
+            else:
+                cells.append(f"{val.iloc[0]:.3f} → {final:.3f}")
         lines.append(
             f"| `{run}` | {r['status'].iloc[0]} | {int(r['step'].max())} | {wall:.1f} | "
             + " | ".join(cells)
