@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-gpu test lint format demo study clean bench-env
+.PHONY: setup setup-gpu test lint format demo study calibration clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -114,6 +114,26 @@ study: $(VENV)/.installed-base
 	esac; done; \
 	$(OMGRPO) study-report $(STUDY_RUNS) --prereg $(STUDY_REPORT)/PREREGISTRATION.md --out $(STUDY_REPORT) \
 	  --command "make study STUDY_SEEDS='$(STUDY_SEEDS)' STUDY_PARTS='$(STUDY_PARTS)'" --seconds $$(( $$(date +%s) - start ))
+
+# The v2 study's calibration (reports/collapse-study-v2/CALIBRATION-PREREGISTRATION.md): the
+# two controls (GT, shuffled-advantage null) per candidate setting and seed, 2 runs at a time
+# on one thread each, resumable (finished runs are skipped, killed ones continue from their
+# newest checkpoint). After each pair, the finished runs' compact results (metrics.jsonl,
+# config.yaml, status.json, provenance.json; no checkpoints) are copied to CALIB_COPY.
+CALIB_SEEDS ?= 0 1 2
+CALIB_CANDIDATES ?= calib_v2_a calib_v2_b calib_v2_c
+CALIB_RUNS ?= runs/collapse-calibration
+CALIB_COPY ?= reports/collapse-study-v2/calibration/runs
+
+calibration: $(VENV)/.installed-base
+	@for seed in $(CALIB_SEEDS); do for cand in $(CALIB_CANDIDATES); do \
+	  $(OMGRPO) sweep sweeps/collapse_calibration.yaml --jobs 2 seed=$$seed +study=$$cand \
+	    run.experiment=$$cand run.root=$(CALIB_RUNS) trainer.threads=1; \
+	  for d in $(CALIB_RUNS)/calib_v2_*__*; do \
+	    [ -d "$$d" ] && grep -q '"finished"' "$$d/status.json" 2>/dev/null || continue; \
+	    mkdir -p $(CALIB_COPY)/$$(basename $$d); \
+	    cp $$d/metrics.jsonl $$d/config.yaml $$d/status.json $$d/provenance.json $(CALIB_COPY)/$$(basename $$d)/; \
+	  done; done; done
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

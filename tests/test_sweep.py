@@ -23,6 +23,8 @@ EXPECTED_RUNS = {
     "collapse_study_secondary": 6 * 1,
     "collapse_study_worlds": 4 * 3 * 1,
     "prm": 7 * 1,  # mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
+    # the v2 calibration (make calibration): gt, mv_shuffled per seed and candidate
+    "collapse_calibration": 2 * 1,
 }
 
 
@@ -83,8 +85,8 @@ def test_every_expanded_run_composes(name, plans):
 def test_sweeps_never_share_a_run_directory(plans):
     """The paper's sweep files write under run.root=runs (one MLflow store): names must not
     collide, or a W&B agent's second run of a name would find the first one's directory. The
-    demo and the pre-registered study keep their runs (and report input) apart in
-    runs/collapse-demo and runs/collapse-study."""
+    demo, the pre-registered study and its v2 calibration keep their runs (and report input)
+    apart in runs/collapse-demo, runs/collapse-study and runs/collapse-calibration."""
     names = [str(r.root / r.name) for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
     roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
@@ -92,6 +94,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     for part in ("central", "secondary", "worlds"):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
     assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
+    assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
 
 

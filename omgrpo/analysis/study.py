@@ -221,6 +221,54 @@ def as_json(verdicts: Sequence[Verdict]) -> list[dict]:
     return [asdict(v) for v in verdicts]
 
 
+PROCESS_METRICS = (
+    ("val/chain_acc_hard", "chain acc"),
+    ("val/line_acc_hard", "line acc"),
+    ("val/informativeness_hard", "informative"),
+    ("val/support_hard", "support"),
+    ("val/guess_prior_hard", "prior"),
+    ("val/guess_truncated_hard", "truncated"),
+    ("val/guess_copy_error_hard", "copy error"),
+    ("val/guess_malformed_hard", "malformed"),
+)
+
+
+def process_quality_section(df: pd.DataFrame, spec: Mapping) -> list[str]:
+    """The report's "Process quality" section: per world and method, the seed means of start ->
+    final of the exact process grade and the guess kinds on hard problems (docs/metrics.md
+    "Process quality"); empty when no run logs them (runs older than the metrics)."""
+    names = [m for m, _ in PROCESS_METRICS if m in df.columns]
+    if not names or df[names].isna().all().all():
+        return []
+    lines = [
+        "## Process quality (hard problems, start → final, mean over seeds)",
+        "",
+        "| world | method | n | " + " | ".join(t for m, t in PROCESS_METRICS if m in names) + " |",
+        "|---|---|---|" + "---|" * len(names),
+    ]
+    for (world, method), runs in df.groupby(["experiment", "method"], sort=True):
+        cells, n = [], runs["run"].nunique()
+        for metric in names:
+            pairs = [
+                (_start(r, metric, spec), _final(r, metric, spec))
+                for _, r in runs.groupby("run")
+                if r[metric].notna().any()
+            ]
+            if not pairs:
+                cells.append("–")
+                continue
+            start, final = np.nanmean([p[0] for p in pairs]), np.nanmean([p[1] for p in pairs])
+            cells.append(f"{start:.2f} → {final:.2f}")
+        lines.append(f"| {world} | {method} | {n} | " + " | ".join(cells) + " |")
+    guide = (
+        "chain acc: the reasoning is the problem's own chain; line acc: share of right lines; "
+        "informative: lines applying the next operation; support: the box follows from the lines "
+        "as written; prior / truncated / copy error / malformed: the kinds of guess (they add up "
+        "to the hard guess rate)."
+    )
+    return [*lines, "", guide, ""]
+
+
 def write_study_report(
     runs: Sequence[str | Path],
     prereg: str | Path,
@@ -272,6 +320,7 @@ def write_study_report(
         ]
     lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
     lines += what_happened(df)
+    lines += process_quality_section(df, spec)
     lines += base_checks_section(checks)
     lines += mechanism_section(df)
     lines += ["## Figures", ""] + [f"![{f}](figures/{f})" for f in figures]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from omgrpo.core.answers import normalize
 from omgrpo.core.means import mean_or_nan, share_or_nan
 from omgrpo.core.rewards import RewardGroup, majority_class
-from omgrpo.tasks.base import TaskProbe
+from omgrpo.tasks.base import GUESS_KINDS, TaskProbe
 
 
 def answer_diagnostics(
@@ -100,6 +100,52 @@ def guess_diagnostics(
     if probe.peak is not None:
         hits = sum(a is not None and normalize(a) == probe.peak for a in answers)
         out[f"{prefix}/peak_share"] = share_or_nan(hits, len(answers))
+    return out
+
+
+def process_diagnostics(
+    texts: Sequence[str],
+    answers: Sequence[str | None],
+    questions: Sequence[str],
+    correct: Sequence[bool | None],
+    difficulties: Sequence[str],
+    probe: TaskProbe,
+    prefix: str = "answers",
+) -> dict[str, float]:
+    """Process quality graded exactly by the task's `probe` (`probe.grade`; the toy world's
+    ReCEval-style rubric, docs/metrics.md "Process quality") and the guess rate split into its
+    kinds, by the problems' difficulty `<d>`; {} where the task grades nothing. Shares are over
+    the rollouts with an answer (as `guess_diagnostics`'), line means over those with a line:
+    - `<prefix>/line_acc_<d>`, `<prefix>/informativeness_<d>`: mean share of a rollout's
+      reasoning lines that are arithmetically right / apply the problem's next operation;
+    - `<prefix>/support_<d>`: share whose boxed answer follows from their reasoning as written;
+    - `<prefix>/chain_acc_<d>`: share whose reasoning is the problem's own chain (reasoning
+      accuracy, whatever they boxed);
+    - `<prefix>/consistent_acc_<d>`: accuracy of those boxing the value they computed last;
+    - `<prefix>/guess_<kind>_<d>` for each of `GUESS_KINDS`: share boxing that kind of guess
+      (they add up to `<prefix>/guess_rate_<d>`).
+    """
+    rows = [
+        (probe.grade(q, t, a), a, c, d)
+        for t, a, q, c, d in zip(texts, answers, questions, correct, difficulties)
+    ]
+    rows = [r for r in rows if r[0] is not None]
+    out: dict[str, float] = {}
+    for d in sorted({r[3] for r in rows}):
+        part = [(g, a, c) for g, a, c, dd in rows if dd == d]
+        answered = [(g, c) for g, a, c in part if a is not None]
+        lined = [g for g, _, _ in part if g.lines]
+        out[f"{prefix}/line_acc_{d}"] = mean_or_nan(g.valid / g.lines for g in lined)
+        out[f"{prefix}/informativeness_{d}"] = mean_or_nan(g.informative / g.lines for g in lined)
+        out[f"{prefix}/support_{d}"] = mean_or_nan(float(g.supported) for g, _ in answered)
+        out[f"{prefix}/chain_acc_{d}"] = mean_or_nan(float(g.chain_correct) for g, _ in answered)
+        out[f"{prefix}/consistent_acc_{d}"] = mean_or_nan(
+            float(c) for g, c in answered if g.guess_kind is None and c is not None
+        )
+        for kind in GUESS_KINDS:
+            out[f"{prefix}/guess_{kind}_{d}"] = mean_or_nan(
+                float(g.guess_kind == kind) for g, _ in answered
+            )
     return out
 
 

@@ -31,6 +31,7 @@ from omgrpo.core.diagnostics import (
     guess_diagnostics,
     label_flip_rate,
     majority_answers,
+    process_diagnostics,
 )
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
@@ -314,7 +315,8 @@ def step_metrics(
     `acc/train`, with CAR the `car/*` diagnostics and the pool's vote `car/top_vote_acc`, and,
     where the batch holds tokens, `response/length_mean`; given the task's `probe` and problems
     that carry a difficulty (the toy world's), the answer-reasoning consistency and guess rates
-    of `guess_diagnostics`, with the share of `probe.peak`. `confident_share` is
+    of `guess_diagnostics`, with the share of `probe.peak`, and the process quality and guess
+    kinds of `process_diagnostics`. `confident_share` is
     `collapse.confident_share`.
     """
     correct = batch.per_group(batch.correct)
@@ -337,10 +339,16 @@ def step_metrics(
     if batch.responses is not None:
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())
-        difficulties = [p.meta.get("difficulty") for p in batch.per_rollout(batch.prompts)]
+        prompts = batch.per_rollout(batch.prompts)
+        difficulties = [p.meta.get("difficulty") for p in prompts]
         if probe is not None and all(difficulties):
+            texts = batch.responses.texts
+            metrics.update(guess_diagnostics(texts, batch.answers, difficulties, probe))
+            questions = [p.question for p in prompts]
             metrics.update(
-                guess_diagnostics(batch.responses.texts, batch.answers, difficulties, probe)
+                process_diagnostics(
+                    texts, batch.answers, questions, batch.correct, difficulties, probe
+                )
             )
     return metrics
 

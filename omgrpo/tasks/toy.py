@@ -32,7 +32,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omgrpo.core.answers import normalize
-from omgrpo.tasks.base import Problem, TaskSplits
+from omgrpo.tasks.base import Problem, ProcessGrade, TaskSplits
+from omgrpo.tasks.toy_process import grade_process, parse_question
 
 _OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
 
@@ -294,7 +295,8 @@ def is_guess(text: str, answer: str | None) -> bool:
 @dataclass(frozen=True)
 class ToyProbe:
     """The toy world's `omgrpo.tasks.base.TaskProbe`: the computed lines `a op b = c` give the
-    `result` role and the guess diagnostics; `peak` is the guess prior's peak."""
+    `result` role, the guess diagnostics and the process grade (`omgrpo.tasks.toy_process`);
+    `peak` is the guess prior's peak."""
 
     peak: str | None = None
 
@@ -303,6 +305,10 @@ class ToyProbe:
 
     def is_guess(self, text: str, answer: str | None) -> bool:
         return is_guess(text, answer)
+
+    def grade(self, question: str, text: str, answer: str | None) -> ProcessGrade | None:
+        chain = parse_question(question)
+        return None if chain is None else grade_process(chain, text, answer)
 
 
 def corrupt_solution(problem: Problem, rng: random.Random, spec: ToyWorldSpec) -> str | None:

@@ -46,7 +46,12 @@ from omgrpo.config import to_container, validate_algorithm
 from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
-from omgrpo.core.diagnostics import CollapseDetector, guess_diagnostics, recovery_metrics
+from omgrpo.core.diagnostics import (
+    CollapseDetector,
+    guess_diagnostics,
+    process_diagnostics,
+    recovery_metrics,
+)
 from omgrpo.core.losses import (
     COUNT_SUFFIX,
     SUM_SUFFIX,
@@ -754,8 +759,12 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
             accs = [np.mean(c) for c, pd_ in zip(correct, difficulties) if pd_ == d]
             by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
         per_rollout = [d for d in difficulties for _ in range(k)]
+        probe, texts = task_probe(cfg.task), responses.texts
+        by_difficulty.update(guess_diagnostics(texts, answers, per_rollout, probe, "val"))
+        questions = [p.question for p in problems for _ in range(k)]
+        flat = [c for ok in correct for c in ok]
         by_difficulty.update(
-            guess_diagnostics(responses.texts, answers, per_rollout, task_probe(cfg.task), "val")
+            process_diagnostics(texts, answers, questions, flat, per_rollout, probe, "val")
         )
     return {
         **by_difficulty,

@@ -224,4 +224,7 @@ def test_every_logged_metric_is_in_the_metric_table(tiny_overrides, metric_table
     roles = ("answer", "reasoning", "result", "format", "other")
     token_level = {f"{m}/{r}" for m in ("kl", "entropy") for r in roles}
     assert token_level | {"answer/frac", "clip/frac", "ratio/mean", "val/pass@2"} <= names
+    # process quality and the guess kinds, in training and validation (tasks/test_toy_process.py)
+    process = ("line_acc", "informativeness", "support", "chain_acc", "guess_truncated")
+    assert {f"{p}/{m}_easy" for p in ("answers", "val") for m in process} <= names
     assert not any(n.endswith(("_sum", "_count")) for n in names)  # only the means are logged
