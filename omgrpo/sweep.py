@@ -29,10 +29,9 @@ subprocess:
   toy base the runs need is trained once beforehand (on one thread, as everywhere);
 - `backend=verl` (in the sweep file or as an extra override, with a verl `experiment`): each
   point is composed with the verl backend (`compose_verl`), named by its
-  `trainer.experiment_name` and kept in its checkpoint folder `trainer.default_local_dir`
-  (`<run.root>/<name>` when the sweep sets `run.root`); verl keeps no status omgrpo reads, so
-  such a run is launched again on a rerun and verl continues it from its newest checkpoint
-  (`run.resume=auto`), and exit code 0 means done;
+  `trainer.experiment_name`, with its run store at `<run.root>/<name>` (verl's checkpoints in
+  its `checkpoints/`); as a native run, a finished one is skipped on a rerun and an unfinished
+  one continues from its newest checkpoint (`run.resume=auto`);
 - `--agent SWEEP_ID --jobs N` starts N `wandb agent SWEEP_ID` processes instead, agent i with
   the environment of job slot i (the threads and GPUs above), which the runs it starts
   inherit;
@@ -244,8 +243,8 @@ def plan_runs(
         try:
             if backend == "verl":
                 cfg = compose_verl_run(overrides)
-                run_dir = Path(str(cfg.trainer.default_local_dir))
-                name, root = run_dir.name, run_dir.parent
+                name = str(cfg.trainer.experiment_name)  # its run store: <root>/<name>
+                root = Path(str(cfg.omgrpo.run.root))
             else:
                 cfg = compose(overrides)
                 name, root = str(cfg.run.name), Path(str(cfg.run.root))
@@ -264,7 +263,7 @@ def plan_runs(
                 "them different run.root values"
             )
         seen[key] = overrides
-        status = status_if_readable(root / name)  # verl writes none: never skipped
+        status = status_if_readable(root / name)  # both backends write status.json
         if status.get("state") in DONE_STATES or (
             status.get("state") == FAILED_STATE and not retry_failed
         ):
@@ -428,8 +427,6 @@ def _run_one(run: PlannedRun, env: dict[str, str]) -> tuple[str, float]:
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         return f"failed: exit code {proc.returncode}", seconds
-    if run.backend == "verl":  # no status.json: its exit code says it all
-        return "done", seconds
     state = status_if_readable(run.dir).get("state")
     if state not in DONE_STATES:
         return f"failed: exited 0 but status is {state!r}", seconds

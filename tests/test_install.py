@@ -130,7 +130,9 @@ def test_gpu_pin_set_resolves(tmp_path):
     central directory through range requests): no CUDA wheel is downloaded or installed. pip's
     own `--dry-run` would download every wheel (GBs) where the registry serves no separate
     metadata. Skips when uv is missing or the registry cannot be reached."""
-    uv = shutil.which("uv")
+    # the dev extra installs uv beside this interpreter; `make test` does not put the venv on PATH
+    beside = Path(sys.executable).parent / "uv"
+    uv = str(beside) if beside.is_file() else shutil.which("uv")
     if uv is None:
         pytest.skip("uv is not installed (`pip install uv`, part of the dev extra)")
     out = tmp_path / "resolved.txt"

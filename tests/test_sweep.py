@@ -345,8 +345,8 @@ def test_agents_get_the_split_of_jobs(monkeypatch, capsys):
 
 def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
     """backend=verl with a verl preset as extra overrides: every grid point composes with the
-    verl backend (named by trainer.experiment_name, kept in its checkpoint folder under
-    run.root), gets no native trainer.threads, and a rerun resumes (verl keeps no status)."""
+    verl backend (named by trainer.experiment_name, its run store under run.root with verl's
+    checkpoints inside), gets no native trainer.threads, and a rerun resumes."""
     from omgrpo import sweep
 
     monkeypatch.setattr(sweep, "_cores", lambda: 8)
@@ -364,7 +364,9 @@ def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
         ("verl_pair__mv__s0", "verl", "new"),
     ]
     assert [r.dir for r in runs] == [tmp_path / "ckpt" / r.name for r in runs]
-    assert [str(r.config.trainer.default_local_dir) for r in runs] == [str(r.dir) for r in runs]
+    assert [str(r.config.trainer.default_local_dir) for r in runs] == [
+        str(r.dir / "checkpoints") for r in runs
+    ]
     assert main([str(path), *extra, "--jobs", "2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "trainer.threads" not in out and "backend=verl" in out

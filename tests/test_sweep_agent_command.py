@@ -157,6 +157,6 @@ def test_an_agent_of_a_split_machine_composes_a_verl_run_on_its_gpus(tmp_path, m
     name = f"ablations__{combo['method']}__s{combo['seed']}"
     assert parsed["trainer"]["experiment_name"] == name
     assert parsed["trainer"]["n_gpus_per_node"] == 2
-    assert parsed["trainer"]["default_local_dir"] == f"runs/{name}"
+    assert parsed["trainer"]["default_local_dir"] == f"runs/{name}/checkpoints"
     assert parsed["omgrpo"]["method"] == combo["method"]
     assert parsed["omgrpo"]["seed"] == combo["seed"]

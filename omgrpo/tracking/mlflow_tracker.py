@@ -40,9 +40,10 @@ RUN_DIR_TAG = "omgrpo.run_dir"
 """Where the run store was when the run (segment) started: informative only."""
 RUN_UUID_TAG = "omgrpo.run_uuid"
 """The run's identity (`RunStore.run_uuid()`): supersession, resume and sync match on it."""
-PROBE_S = 5.0
+PROBE_S = float(os.environ.get("OMGRPO_MLFLOW_PROBE_S", "5"))
 """While the store is not answering, writes are dropped (the run store has them) and one call
-is tried again at most this often; the first that passes ends the outage."""
+is tried again at most this often ($OMGRPO_MLFLOW_PROBE_S, seconds); the first that passes
+ends the outage."""
 MAX_PENDING_POINTS = 100_000
 """Metric points waiting for the writer thread (~30 MB) before newer ones are dropped."""
 

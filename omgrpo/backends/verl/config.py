@@ -49,7 +49,7 @@ class VerlRunSection:
     variant: str = "om_grpo"
     """Method or ablation (set by the method preset)."""
     root: str = "runs"
-    """As the native `run.root`: the run store is `<root>/<trainer.experiment_name>/`
+    """As the native `run.root` (sweep files set it for both backends): the run store is `<root>/<trainer.experiment_name>/`
     (`omgrpo.backends.verl.run_store`), verl's checkpoints in its `checkpoints/` folder."""
     log_rollouts_every: int = 5
     """As the native `trainer.log_rollouts_every`: write the step's rollouts to the run store
@@ -60,10 +60,6 @@ class VerlRunSection:
     `trainer.resume_mode=auto`; true also allows `resume_path` with `trainer.resume_from_path`);
     false starts from scratch (`disable`), and the launch refuses a folder that already holds
     a checkpoint (RESUME_MODES)."""
-    root: str | None = None
-    """As the native `run.root` (so that sweep files, which set it, compose for both backends):
-    the checkpoint folder `trainer.default_local_dir` becomes `<root>/<experiment_name>` unless
-    given; null: the preset's (`checkpoints/<project>/<experiment_name>`)."""
 
 
 VERL_ACTOR_KEYS: dict[str, str] = {
@@ -183,8 +179,6 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
         cfg.pop("hydra", None)
         if not _given(list(overrides or []), "trainer.resume_mode"):
             cfg.trainer.resume_mode = _resume_modes(cfg.omgrpo.run.resume)[0]
-        if cfg.omgrpo.run.root is not None and not _given(overrides, "trainer.default_local_dir"):
-            cfg.trainer.default_local_dir = "${omgrpo.run.root}/${trainer.experiment_name}"
         # a job of `omgrpo sweep --jobs` / `--agent` sees only its slice of the GPUs
         if (gpus := os.environ.get(JOB_GPUS_VAR)) and not _given(
             overrides, "trainer.n_gpus_per_node"
