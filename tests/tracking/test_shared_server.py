@@ -160,7 +160,7 @@ def run_overrides(tiny_overrides: list[str], steps: int) -> list[str]:
 DOWN_WARNING = "is not taking this run's writes"
 PROBE_S = 1.0  # the runs try the server again at most this often while it is down
 OUTAGE_S = 10.0
-STEPS = 50
+STEPS = 150
 """Long enough that runs outlast the outage on a 2-core machine (at least one, asserted)."""
 
 
