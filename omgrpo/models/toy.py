@@ -265,13 +265,19 @@ def sft(
         logits = response_logits(model, seqs, pad_id=tokenizer.pad_token_id)
         logprobs, _ = token_logprobs_and_entropy(logits, target_ids)
         loss = -(logprobs * target_mask).sum() / target_mask.sum()
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(clipped_step(model, optim, sched, loss))
         progress.update(step, {"loss": losses[-1]})
     progress.close()
     model.eval()
     return losses
+
+
+def clipped_step(model: torch.nn.Module, optim, sched, loss: torch.Tensor) -> float:
+    """One optimizer step on `loss` with the gradient norm clipped to 1 and one schedule step
+    (the toy base's SFT and the toy PRM's training); the loss value."""
+    optim.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optim.step()
+    sched.step()
+    return loss.item()

@@ -35,7 +35,7 @@ from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.core.process import aggregate, split_steps
 from omgrpo.models.bases import install_shipped
 from omgrpo.models.prm import PRM_META, PrmSettings, ProcessRewardModel, load_prm
-from omgrpo.models.toy import SFT_PROBLEMS, recipe_key, toy_base_key
+from omgrpo.models.toy import SFT_PROBLEMS, clipped_step, recipe_key, toy_base_key
 from omgrpo.tasks.base import Problem
 from omgrpo.tasks.toy import (
     ToyWorldSpec,
@@ -182,12 +182,7 @@ def _fit(model, encoder: ProcessRewardModel, examples: list[tuple], toy: Any, se
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), targets.flatten(), weight=weight, ignore_index=-100
         )
-        optim.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optim.step()
-        sched.step()
-        losses.append(loss.item())
+        losses.append(clipped_step(model, optim, sched, loss))
         progress.update(step, {"loss": losses[-1]})
     progress.close()
     return losses
