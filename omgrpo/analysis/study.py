@@ -8,6 +8,9 @@ paired unit (world's base and seed), their mean and 95% t-interval, and the verd
 
 - several units: *confirmed* if the interval lies on the predicted side of the threshold,
   *refuted* if it lies entirely on the other side, *inconclusive* otherwise;
+- measure `opened` (a per-unit binary outcome: 1 where the change of `metric` under `a`
+  exceeds `above`, else 0): the share of units with its exact (Clopper-Pearson) 95% interval,
+  judged against the threshold the same way;
 - one unit: the point estimate's side, marked `1 seed, no CI`;
 - *not run* when a run it needs has no data.
 
@@ -39,7 +42,7 @@ from omgrpo.analysis.report import base_checks, base_checks_section, what_happen
 
 __all__ = ["Verdict", "judge_predictions", "read_preregistration", "verdict_table"]
 
-MEASURES = ("change", "diff", "change_diff", "spearman")
+MEASURES = ("change", "diff", "change_diff", "spearman", "opened")
 OPS = (">", "<", "abs<")
 
 
@@ -75,10 +78,20 @@ def read_preregistration(path: str | Path) -> dict[str, Any]:
             raise ValueError(f"{path}: {name}: expect must be [op, threshold], op in {OPS}")
         needs = {"change": ["a"], "diff": ["a", "b"], "change_diff": ["a", "b"]}
         needs["spearman"] = ["methods", "x"]
+        needs["opened"] = ["a", "above"]
         missing = [k for k in ["world", "metric", *needs[p["measure"]]] if k not in p]
         if missing:
             raise ValueError(f"{path}: {name}: missing {missing}")
+    gates = spec.get("stop_unless_confirmed")
+    ids = {p.get("id") for p in spec["predictions"]}
+    unknown = [g for g in _as_list(gates) if g not in ids]
+    if unknown:
+        raise ValueError(f"{path}: stop_unless_confirmed names no prediction: {unknown}")
     return spec
+
+
+def _as_list(value: Any) -> list:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _final(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
@@ -99,6 +112,8 @@ def _final(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
 
 
 def _start(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
+    """The value at `start_step` (a prediction may set its own, e.g. 1 for the `mech/*`
+    metrics, which are first measured at step 1)."""
     if metric not in run:
         return math.nan
     values = pd.to_numeric(run.loc[run["step"] == spec["start_step"], metric], errors="coerce")
@@ -130,9 +145,13 @@ def _change(run: pd.DataFrame, metric: str, spec: Mapping) -> float:
 def _unit_value(df: pd.DataFrame, p: Mapping, unit: tuple[str, int], spec: Mapping) -> float:
     experiment, seed = unit
     metric, measure = p["metric"], p["measure"]
+    spec = {**spec, "start_step": p.get("start_step", spec["start_step"])}
     a = _run(df, experiment, seed, p.get("a", ""))
     if measure == "change":
         return _change(a, metric, spec)
+    if measure == "opened":
+        change = _change(a, metric, spec)
+        return math.nan if math.isnan(change) else float(change > p["above"])
     if measure == "spearman":
         changes = [_change(_run(df, experiment, seed, m), metric, spec) for m in p["methods"]]
         if any(math.isnan(c) for c in changes):
@@ -145,8 +164,15 @@ def _unit_value(df: pd.DataFrame, p: Mapping, unit: tuple[str, int], spec: Mappi
     return _change(a, metric, spec) - _change(b, metric, spec)  # change_diff
 
 
-def _decide(op: str, threshold: float, values: list[float]) -> tuple[float, tuple | None, str]:
+def _decide(
+    op: str, threshold: float, values: list[float], binary: bool = False
+) -> tuple[float, tuple | None, str]:
     mean = float(np.mean(values))
+    if binary:  # a share of units: the exact binomial interval (a t-interval on 0/1 is not)
+        from scipy import stats
+
+        ci = stats.binomtest(round(sum(values)), len(values)).proportion_ci(0.95, "exact")
+        return mean, (ci.low, ci.high), _side(op, threshold, ci.low, ci.high)
     if len(values) == 1:
         holds = (
             abs(mean) < threshold
@@ -155,7 +181,11 @@ def _decide(op: str, threshold: float, values: list[float]) -> tuple[float, tupl
         )
         return mean, None, ("confirmed" if holds else "refuted") + ", 1 seed, no CI"
     half = t_critical(len(values) - 1) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
-    lo, hi = mean - half, mean + half
+    return mean, (mean - half, mean + half), _side(op, threshold, mean - half, mean + half)
+
+
+def _side(op: str, threshold: float, lo: float, hi: float) -> str:
+    """Where the interval [lo, hi] lies against the predicted side of the threshold."""
     if op == ">":
         verdict = "confirmed" if lo > threshold else "refuted" if hi < threshold else "inconclusive"
     elif op == "<":
@@ -164,7 +194,7 @@ def _decide(op: str, threshold: float, values: list[float]) -> tuple[float, tupl
         inside = -threshold < lo and hi < threshold
         outside = lo > threshold or hi < -threshold
         verdict = "confirmed" if inside else "refuted" if outside else "inconclusive"
-    return mean, (lo, hi), verdict
+    return verdict
 
 
 def judge_predictions(df: pd.DataFrame, spec: Mapping) -> list[Verdict]:
@@ -176,7 +206,8 @@ def judge_predictions(df: pd.DataFrame, spec: Mapping) -> list[Verdict]:
         finite = [v for v in values.values() if not math.isnan(v)]
         op, threshold = p["expect"]
         if finite:
-            mean, ci, verdict = _decide(op, float(threshold), finite)
+            binary = p["measure"] == "opened"
+            mean, ci, verdict = _decide(op, float(threshold), finite, binary)
         else:
             mean, ci, verdict = None, None, "not run"
         out.append(
@@ -212,8 +243,10 @@ def verdict_table(verdicts: Sequence[Verdict], texts: Mapping[str, str] | None =
 
 def prediction_texts(path: str | Path) -> dict[str, str]:
     """Prediction id -> its words, from the pre-registration's table rows `| P<n> | world |
-    words |`."""
-    rows = re.findall(r"^\| (P\d+) \| [^|]+ \| ([^|]+) \|$", Path(path).read_text(), flags=re.M)
+    words |` (ids: capitals then digits, e.g. P3, C1, S12)."""
+    rows = re.findall(
+        r"^\| ([A-Z]+\d+) \| [^|]+ \| ([^|]+) \|$", Path(path).read_text(), flags=re.M
+    )
     return {pid: text.strip() for pid, text in rows}
 
 
@@ -285,8 +318,9 @@ def write_study_report(
     df = load_runs(*runs)
     verdicts = judge_predictions(df, spec)
     by_id = {v.id: v for v in verdicts}
-    gate = spec.get("stop_unless_confirmed")
-    stopped = gate is not None and not by_id[gate].verdict.startswith("confirmed")
+    gates = _as_list(spec.get("stop_unless_confirmed"))
+    failed = [g for g in gates if not by_id[g].verdict.startswith("confirmed")]
+    stopped = bool(failed)
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
@@ -314,8 +348,10 @@ def write_study_report(
     ]
     if stopped:
         lines += [
-            f"**The positive control {gate} is {by_id[gate].verdict}: by the pre-registration "
-            "the study stops here. The other verdicts are printed but not interpreted.**",
+            "**"
+            + "; ".join(f"The control {g} is {by_id[g].verdict}" for g in failed)
+            + ": by the pre-registration the study stops here. The other verdicts are printed "
+            "but not interpreted.**",
             "",
         ]
     lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]

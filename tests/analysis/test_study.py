@@ -247,3 +247,47 @@ def test_reports_print_the_bases_checks(tmp_path):
     assert list(base_checks([run]).values()) == [checks]
     text = write_report([run], tmp_path / "report").read_text()
     assert "## Base checks" in text and "base checks: PASSED" in text
+
+
+def test_opened_is_a_share_of_units_with_an_exact_interval():
+    """Route opened: 1 per unit whose change exceeds `above`; 3 of 4 units here. Clopper-Pearson
+    for 3/4: (0.1941, 0.9937) by hand from the beta quantiles."""
+    changes = [0.40, 0.35, 0.10, 0.50]
+    df = pd.concat([_run("w", "mv", s, [0.2, 0.2 + d, 0.2 + d]) for s, d in enumerate(changes)])
+    pred = _pred(measure="opened", metric="val/acc", a="mv", above=0.3, expect=[">", 0.1])
+    (v,) = judge_predictions(df, {**SPEC, "predictions": [pred]})
+    assert v.values == {"w/s0": 1.0, "w/s1": 1.0, "w/s2": 0.0, "w/s3": 1.0}
+    assert v.mean == pytest.approx(0.75)
+    assert v.ci95 == pytest.approx((0.1941, 0.9937), abs=1e-4)
+    assert v.verdict == "confirmed"  # 0.194 > 0.1
+    (v,) = judge_predictions(df, {**SPEC, "predictions": [{**pred, "expect": [">", 0.5]}]})
+    assert v.verdict == "inconclusive"
+    (v,) = judge_predictions(df, {**SPEC, "predictions": [{**pred, "expect": ["<", 0.1]}]})
+    assert v.verdict == "refuted"
+
+
+def test_a_prediction_may_start_at_its_own_step():
+    """`start_step` per prediction (the mech/* metrics start at step 1): change from step 1."""
+    df = _run("w", "gt", 0, [0.5, 0.7, 0.7])
+    df.loc[df["step"] == 1, "val/acc"] = 0.6
+    base = _pred(measure="change", metric="val/acc", a="gt", expect=[">", 0.0])
+    (v0, v1) = judge_predictions(
+        df, {**SPEC, "predictions": [base, {**base, "id": "Q", "start_step": 1}]}
+    )
+    assert v0.mean == pytest.approx(0.2) and v1.mean == pytest.approx(0.1)
+
+
+def test_several_gates_and_unknown_gates(tmp_path):
+    prereg = tmp_path / "p.md"
+    block = (
+        "| C1 | w | GT rises |\n| C2 | w | the null stays |\n\n```yaml\nstart_step: 0\n"
+        "final_steps: [1]\nstop_unless_confirmed: {gates}\npredictions:\n"
+        "  - {{id: C1, world: w, measure: change, metric: m, a: gt, expect: ['>', 0]}}\n"
+        "  - {{id: C2, world: w, measure: change, metric: m, a: null, expect: ['abs<', 0.03]}}\n```\n"
+    )
+    prereg.write_text(block.format(gates="[C1, C2]"))
+    assert read_preregistration(prereg)["stop_unless_confirmed"] == ["C1", "C2"]
+    assert prediction_texts(prereg) == {"C1": "GT rises", "C2": "the null stays"}
+    prereg.write_text(block.format(gates="[C1, C3]"))
+    with pytest.raises(ValueError, match=r"names no prediction: \['C3'\]"):
+        read_preregistration(prereg)
