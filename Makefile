@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-gpu test lint format demo study calibration clean bench-env
+.PHONY: setup setup-gpu test lint format demo study study-v2 calibration clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -134,6 +134,40 @@ calibration: $(VENV)/.installed-base
 	    mkdir -p $(CALIB_COPY)/$$(basename $$d); \
 	    cp $$d/metrics.jsonl $$d/config.yaml $$d/status.json $$d/provenance.json $(CALIB_COPY)/$$(basename $$d)/; \
 	  done; done; done
+
+# The collapse study v2 (reports/collapse-study-v2/PREREGISTRATION-v2.md): resumable across
+# machines. The finished runs' compact results committed under STUDY2_COPY are copied into
+# STUDY2_RUNS first (so the sweeps skip them); killed runs continue from their newest checkpoint;
+# after each sweep the finished runs' compact results (metrics.jsonl, config.yaml, status.json,
+# provenance.json, identity.json; no checkpoints or rollouts) are copied to STUDY2_COPY. Central:
+# per seed, both bases (the shipped one, and warm-start seed 1 as toy_shortcut_base1);
+# secondary and worlds: seeds 3 and 4. 2 runs at a time on one thread each, e.g.
+#   make study-v2 STUDY2_SEEDS="3 4" STUDY2_PARTS=central
+STUDY2_SEEDS ?= 3 4 5 6
+STUDY2_SECONDARY_SEEDS ?= 3 4
+STUDY2_PARTS ?= central secondary worlds
+STUDY2_RUNS ?= runs/collapse-study-v2
+STUDY2_REPORT ?= reports/collapse-study-v2
+STUDY2_COPY ?= $(STUDY2_REPORT)/runs
+STUDY2_ARGS = --jobs 2 run.root=$(STUDY2_RUNS) trainer.threads=1
+
+study-v2: $(VENV)/.installed-base
+	@start=$$(date +%s); mkdir -p $(STUDY2_RUNS) $(STUDY2_COPY); cp -Rn $(STUDY2_COPY)/. $(STUDY2_RUNS)/; \
+	copy() { for d in $(STUDY2_RUNS)/*__*__s*; do \
+	  grep -qs '"finished"' "$$d/status.json" || continue; mkdir -p $(STUDY2_COPY)/$$(basename $$d); \
+	  cp $$d/metrics.jsonl $$d/config.yaml $$d/status.json $$d/provenance.json $$d/identity.json \
+	    $(STUDY2_COPY)/$$(basename $$d)/; done; }; \
+	for part in $(STUDY2_PARTS); do case $$part in \
+	  central) for seed in $(STUDY2_SEEDS); do \
+	    $(OMGRPO) sweep sweeps/collapse_study_v2_central.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; \
+	    $(OMGRPO) sweep sweeps/collapse_study_v2_central.yaml $(STUDY2_ARGS) seed=$$seed model.warm_start.seed=1 \
+	      run.experiment=toy_shortcut_base1 || exit 1; copy; done;; \
+	  secondary|worlds) for seed in $(STUDY2_SECONDARY_SEEDS); do \
+	    $(OMGRPO) sweep sweeps/collapse_study_v2_$$part.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; done;; \
+	  *) echo "unknown STUDY2_PARTS entry '$$part' (central secondary worlds)"; exit 2;; \
+	esac; done; \
+	$(OMGRPO) study-report $(STUDY2_RUNS) --prereg $(STUDY2_REPORT)/PREREGISTRATION-v2.md --out $(STUDY2_REPORT) \
+	  --command "make study-v2 STUDY2_SEEDS='$(STUDY2_SEEDS)' STUDY2_PARTS='$(STUDY2_PARTS)'" --seconds $$(( $$(date +%s) - start ))
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

@@ -40,6 +40,7 @@ EXPECTED = {
     "mv_shuffled": (["majority_vote"], 1.0, False, False, 8),
     "om_grpo_closing": (SV, 0.0, False, True, 8),
     "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
+    "om_grpo_no_car_closing_line": (SV, 0.0, False, False, 8),
     "prm": (["process", "format"], 1.0, False, False, 8),
     "prm_om": (["process", "format"], 0.0, False, False, 8),
     "prm_last": (["process", "format"], 1.0, False, False, 8),
@@ -94,7 +95,8 @@ def test_every_method_composes_at_every_scale(method, experiment):
     assert cfg.rollout.n == n  # method presets win over the scale's G
     assert cfg.algorithm.answer_kl_weight == (1.0 if method == "om_grpo_kl_anchor" else None)
     # only the closing-span presets leave the paper's answer span
-    assert cfg.algorithm.answer_span == ("closing" if method.endswith("_closing") else "boxed")
+    span = next((s for s in ("closing_line", "closing") if method.endswith(f"_{s}")), "boxed")
+    assert cfg.algorithm.answer_span == span
 
 
 @pytest.mark.parametrize("experiment", PAPER)

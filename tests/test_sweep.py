@@ -25,6 +25,10 @@ EXPECTED_RUNS = {
     "prm": 7 * 1,  # mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
     # the v2 calibration (make calibration): gt, mv_shuffled per seed and candidate
     "collapse_calibration": 2 * 1,
+    # the v2 study (make study-v2): per seed; central 6 arms, secondary 7, 2 worlds x 4
+    "collapse_study_v2_central": 6 * 1,
+    "collapse_study_v2_secondary": 7 * 1,
+    "collapse_study_v2_worlds": 2 * 4 * 1,
 }
 
 
