@@ -3,6 +3,7 @@ in a fresh kernel, with the same nbclient engine that `pytest --nbmake analysis/
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def test_the_notebooks_are_there_with_outputs_cleared():
     names = {p.name for p in NOTEBOOKS}
     assert {"collapse_dynamics.ipynb", "car_mechanics.ipynb"} <= names
     for path in NOTEBOOKS:
-        cells = __import__("json").loads(path.read_text())["cells"]
+        cells = json.loads(path.read_text())["cells"]
         assert all("id" in c for c in cells), f"{path.name}: a cell without an id (nbformat 4.5)"
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
