@@ -127,10 +127,10 @@ def get_reward(name: str) -> RewardFn:
 
 @register_reward("gt")
 def gt_reward(group: RewardGroup) -> list[float]:
-    """1 if the answer is equivalent to the label, else 0.
+    """1 if the answer is equivalent to the label (math-verify evaluates `2+2` to 4), else 0.
 
-    >>> gt_reward(make_group(["4", "2+2", None], label="4"))
-    [1.0, 0.0, 0.0]
+    >>> gt_reward(make_group(["4", "2+2", "5", None], label="4"))
+    [1.0, 1.0, 0.0, 0.0]
     """
     if group.label is None:
         raise ValueError("reward 'gt' needs labels, but this problem has none")
