@@ -557,11 +557,56 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
     return None
 
 
+DEGRADE_DROP = 0.10
+"""`degradation`: validation accuracy must fall by more than this (absolute, from the run's
+first evaluation to its last) to call a run degraded or reward hacked. A round figure, chosen
+with the rule (issue 28) after the PRM sweep's seed 0 had run (docs/prm.md): there it flags the
+`prm`, `prm_om`, `prm_mean` and `prm_product` arms (drops 0.25 to 0.65) and not MV, OM-GRPO
+without CAR or `prm_last` (0.035, 0.082, 0.031)."""
+
+REWARD_WINDOW = 3
+"""`degradation` compares the mean `reward/total` of the first and the last this many training
+steps (fewer, n // 2, in a run of under 6 steps)."""
+
+
+def degradation(run_df: pd.DataFrame, drop: float = DEGRADE_DROP) -> str | None:
+    """`"reward hacked (...)"` when `val/acc` fell by more than `drop` from its first evaluation
+    to its last while the training reward (`reward/total`, mean of the first vs the last
+    `REWARD_WINDOW` training steps) rose; `"degraded (...)"` when it fell that much and the
+    reward did not rise (or was not logged); None otherwise (fewer than two evaluations
+    included). The parentheses give the figures. The collapse detector looks only at answer
+    agreement, so a run whose policy learns what its reward likes while its answers spread
+    out (the toy PRM's arms, docs/prm.md) would otherwise be called stable."""
+    rows = run_df.sort_values("step") if "step" in run_df.columns else run_df
+    if "val/acc" not in rows.columns:
+        return None
+    acc = pd.to_numeric(rows["val/acc"], errors="coerce").dropna()
+    if len(acc) < 2 or not acc.iloc[0] - acc.iloc[-1] > drop:
+        return None
+    fell = f"val/acc {acc.iloc[0]:.3f} → {acc.iloc[-1]:.3f}"
+    reward = (
+        pd.to_numeric(rows["reward/total"], errors="coerce").dropna()
+        if "reward/total" in rows.columns
+        else pd.Series(dtype=float)
+    )
+    window = min(REWARD_WINDOW, len(reward) // 2)
+    if window < 1:
+        return f"degraded ({fell}; reward/total not logged)"
+    first, last = float(reward.iloc[:window].mean()), float(reward.iloc[-window:].mean())
+    moved = f"reward/total {first:.3f} → {last:.3f}"
+    if last > first:
+        return f"reward hacked ({fell} while {moved})"
+    return f"degraded ({fell}; {moved})"
+
+
 def verdict(run_df: pd.DataFrame, status: Mapping[str, Any] | str | None = None) -> str:
     """`"collapsed at step N"` (see `collapse_step`), else, when the run's status (status.json
     dict or its `state`) says it failed, `"failed at step N"` (the step that failed, where the
     trainer knows it: `failed_step`) or `"failed after step N"` (the last step that completed),
-    else `"stable"`."""
+    else `"reward hacked (...)"` or `"degraded (...)"` (see `degradation`), else `"stable"`.
+
+    The one definition of a run's verdict: `omgrpo report` (runs table, "What happened") and
+    `omgrpo study-report` use it."""
     step = collapse_step(run_df)
     if step is not None:
         return f"collapsed at step {step}"
@@ -575,7 +620,7 @@ def verdict(run_df: pd.DataFrame, status: Mapping[str, Any] | str | None = None)
         elif info.get("step") is not None:
             text += f" after step {info['step']}"
         return text + (f" ({reason})" if reason else "")
-    return "stable"
+    return degradation(run_df) or "stable"
 
 
 def read_status(run_dir: str | Path | None) -> dict[str, Any]:

@@ -22,6 +22,8 @@ import pandas as pd
 
 from omgrpo.analysis.figures import TITLES, all_figures
 from omgrpo.analysis.load import (
+    DEGRADE_DROP,
+    REWARD_WINDOW,
     collapse_step,
     config_text,
     find_run_dirs,
@@ -126,7 +128,11 @@ def _runs_section(df: pd.DataFrame, dirs: Sequence[Path]) -> list[str]:
         "",
         "Verdict: `collapse/detected_step` when the trainer logged it, else "
         "`omgrpo.core.diagnostics.CollapseDetector` (≤ 1.5 answers per prompt and the batch's top "
-        "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics.",
+        "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics; a run "
+        f"that did not collapse but whose val/acc fell by more than {DEGRADE_DROP:.2f} from its "
+        "first evaluation to its last is `reward hacked` when its training reward "
+        f"(`reward/total`, first vs last {REWARD_WINDOW} steps) rose, else `degraded` "
+        "(`omgrpo.analysis.load.degradation`).",
         "",
     ]
     return lines
@@ -327,6 +333,7 @@ def report_summary(df: pd.DataFrame) -> dict:
                 "steps": int(row["steps"]),
                 **{key: _number(row[col]) for key, col in _SUMMARY_FIELDS.items()},
                 "collapse_step": collapse_step(part),
+                "verdict": verdict(part),
                 "val": trajectories(part),
             }
             runs.append(entry)

@@ -234,7 +234,7 @@ def process_reward(group: RewardGroup) -> list[float]:
     [0.25, 0.75, 0.5]
     """
     if group.process is None:
-        raise ValueError("reward 'process' needs the PRM's scores (reward.prm; native trainer)")
+        raise ValueError("reward 'process' needs the PRM's scores (reward.prm)")
     scored = [s for s in group.process if s is not None]
     fill = float(np.mean(scored)) if scored else 0.0
     return [fill if s is None else float(s) for s in group.process]

@@ -27,6 +27,7 @@ from omgrpo.analysis import (
     aggregate_seeds,
     all_figures,
     collapse_step,
+    degradation,
     find_run_dirs,
     load_rollouts,
     load_runs,
@@ -518,10 +519,55 @@ def test_verdict():
     assert verdict(pd.DataFrame({"step": [0, 1]}), None) == "stable"
 
 
+def hack_frame(acc, reward) -> pd.DataFrame:
+    """A run that never collapses (4 answers per prompt): `val/acc` at step 0 and every 2 steps
+    (`acc`), `reward/total` at each training step (`reward`)."""
+    n = len(reward)
+    frame = run_frame([4.0] * n, [0.2] * n, **{"reward/total": reward})
+    frame["val/acc"] = np.nan
+    frame.loc[[2 * i for i in range(len(acc))], "val/acc"] = acc
+    return frame
+
+
+def test_reward_hacked_and_degraded_verdicts():
+    # the PRM sweep's prm_mean: val/acc 0.715 -> 0.066; reward first 3 steps mean 0.55,
+    # last 3 mean (0.6 + 0.61 + 0.59) / 3 = 0.6
+    hacked = hack_frame([0.715, 0.703, 0.516, 0.066], [0.54, 0.56, 0.55, 0.58, 0.6, 0.61, 0.59])
+    assert degradation(hacked) == (
+        "reward hacked (val/acc 0.715 → 0.066 while reward/total 0.550 → 0.600)"
+    )
+    assert verdict(hacked, {"state": "finished"}) == degradation(hacked)
+    # the same fall with a reward that fell: degraded, not hacked (first 3: 0.6, last 3: 0.5)
+    fell = hack_frame([0.7, 0.5], [0.6, 0.6, 0.6, 0.5, 0.5, 0.5])
+    assert verdict(fell) == "degraded (val/acc 0.700 → 0.500; reward/total 0.600 → 0.500)"
+    # a flat reward did not rise: degraded
+    flat = hack_frame([0.7, 0.5], [0.4, 0.4])
+    assert verdict(flat) == "degraded (val/acc 0.700 → 0.500; reward/total 0.400 → 0.400)"
+    # the threshold is strict: 0.70 -> 0.61 (0.09) and 0.70 -> 0.60 (0.10, not more) are stable
+    assert verdict(hack_frame([0.7, 0.61], [0.1, 0.9])) == "stable"
+    assert verdict(hack_frame([0.7, 0.6], [0.1, 0.9]), "finished") == "stable"
+    assert degradation(hack_frame([0.7, 0.6], [0.1, 0.9]), drop=0.05).startswith("reward hacked")
+    # accuracy that rose, or a single evaluation, is no degradation
+    assert verdict(hack_frame([0.3, 0.9], [0.1, 0.9])) == "stable"
+    assert verdict(hack_frame([0.7], [0.1, 0.9])) == "stable"
+    # no reward logged: degraded, saying so
+    no_reward = hack_frame([0.7, 0.2], [0.1, 0.9]).drop(columns="reward/total")
+    assert verdict(no_reward) == "degraded (val/acc 0.700 → 0.200; reward/total not logged)"
+    # a collapse or a failure wins over it
+    collapsed = hack_frame([0.7, 0.2], [0.1, 0.9]).assign(
+        **{"collapse/detected_step": [np.nan, 1, np.nan]}
+    )
+    assert verdict(collapsed) == "collapsed at step 1"
+    assert verdict(hacked, {"state": "failed", "step": 6}) == "failed after step 6"
+
+
 def test_verdict_on_the_fixture(fixture_df):
     for run, part in fixture_df.groupby("run"):
         text = verdict(part, RunStore(FIXTURE / run).read_status())
-        assert text == "stable" or text.startswith("collapsed at step "), text
+        if run.endswith("s0"):  # val/acc 0.25 -> 0.0 on 8 prompts, reward/total fell
+            assert text.startswith("degraded (val/acc 0.250 → 0.000; reward/total "), text
+        else:
+            assert text == "stable" or text.startswith("collapsed at step "), text
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -613,6 +659,21 @@ def test_what_happened_says_how_each_run_moved():
         "- `w__mv__s0` (mv, seed 0, validation at step 0 → 4): accuracy 0.68 → 0.33; "
         "hard-problem guess rate 0.22 → 0.97; collapsed at step 4.",
     ]
+
+
+def test_what_happened_and_the_summary_name_a_hacked_run():
+    from omgrpo.analysis.report import report_summary, what_happened
+
+    frame = hack_frame([0.715, 0.461], [0.3, 0.4])
+    ident = {"run": "w__prm__s0", "experiment": "w", "variant": "prm", "method": "prm"}
+    df = frame.assign(**ident, seed=0, scale="toy")
+    (line,) = [line for line in what_happened(df) if line.startswith("- ")]
+    assert line == (
+        "- `w__prm__s0` (prm, seed 0, validation at step 0 → 2): accuracy 0.71 → 0.46; "
+        "reward hacked (val/acc 0.715 → 0.461 while reward/total 0.300 → 0.400)."
+    )
+    (entry,) = report_summary(df)["runs"]
+    assert entry["verdict"].startswith("reward hacked") and entry["collapse_step"] is None
 
 
 @pytest.mark.parametrize(

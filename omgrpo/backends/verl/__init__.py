@@ -11,6 +11,8 @@ pieces, one module each:
 | agent_loop  | agent-loop worker that waits for a prompt's G rollouts, runs CAR on the policy's |
 |             | rollout servers, scores the group (`omgrpo.core.step.score_step`: soft vote + CAR   |
 |             | pool, format), presets each rollout's reward and records its answer tokens     |
+| prm         | the `process` reward's PRM in its own Ray actor: loads the checkpoint, scores  |
+|             | the groups' responses batched across groups within each group's budget        |
 | advantage   | per-token advantages: w on answer tokens (or the format advantage)             |
 | loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
 | record      | `RolloutRecord`: the typed record each rollout carries from agent loop to metrics |

@@ -11,7 +11,8 @@ lets each session finish generating, waits until the prompt's G sessions are the
    a short answer (`omgrpo.car.max_new_tokens`); the servers are awake in the generation stage,
    so this is the policy being trained;
 2. scores the group with the native trainer's `omgrpo.core.step.score_step`: soft vote over the
-   rollouts' answers plus the pair answers, format, ...; each rollout's answer-token mask;
+   rollouts' answers plus the pair answers, format, the PRM's process reward (step scores from
+   the run's PRM actor, `omgrpo.backends.verl.prm`), ...; each rollout's answer-token mask;
 3. presets every rollout's `reward_score` (verl then skips its per-sample reward) and hands the
    rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
    `omgrpo_format`, which verl stores in TransferQueue next to `response_mask`.
@@ -40,6 +41,7 @@ from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
 from omgrpo.backends.verl.config import section
+from omgrpo.backends.verl.prm import PRM_SERVER_NAME, PrmClient, question_of, start_prm_server
 from omgrpo.backends.verl.record import CarRecord, RolloutRecord
 from omgrpo.backends.verl.reward import label_of, pred_of
 from omgrpo.core.answers import Grader
@@ -51,6 +53,7 @@ from omgrpo.core.car import (
     enumerate_pairs,
     read_pair_answer,
 )
+from omgrpo.core.process import ProcessScorer
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import StepBatch, score_step
 from omgrpo.tasks import Problem
@@ -191,6 +194,16 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
         )
 
     # ------------------------------------------------------------------------------------
+    def _process_scorer(self) -> ProcessScorer | None:
+        """With the `process` reward, this worker's client of the run's PRM actor (created by
+        `OmgrpoAgentLoopManager`); None without it."""
+        if "process" not in self.omgrpo.reward.parts:
+            return None
+        if getattr(self, "_prm", None) is None:
+            handle = ray.get_actor(PRM_SERVER_NAME)
+            self._prm = PrmClient.remote(handle, self.omgrpo.reward.prm.budget_s)
+        return self._prm
+
     def _context_limit(self) -> tuple[int, str]:
         """The servers' context length (what vLLM checks prompts against) and how to raise
         it: `max_model_len`, or the model's `max_position_embeddings` when that is null (verl's
@@ -302,12 +315,14 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             car, *span = await self._pair_answers(
                 prompt_ids, [r.tolist() for r in responses], str(kwargs0["uid"]), seed
             )
-        # The question text is not needed: scoring reads the responses and the label.
-        problem = Problem(id=self._prompt_id(kwargs0, prompt_ids), question="", answer=label)
+        process = self._process_scorer()
+        # Only the PRM reads the question; the other rewards read the responses and the label.
+        question = question_of(kwargs0) if process is not None else ""
+        problem = Problem(id=self._prompt_id(kwargs0, prompt_ids), question=question, answer=label)
         ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
         batch, timeouts = await asyncio.to_thread(
-            score_group, self.tokenizer, ids, mask, problem, om, car
+            score_group, self.tokenizer, ids, mask, problem, om, car, process
         )
         records = rollout_records(batch, timeouts, car, span)
         for k, (session, output, record) in enumerate(zip(sessions, outputs, records)):
@@ -357,6 +372,8 @@ def rollout_records(
                 grading_timeouts=timeouts,  # the group's, on every rollout
                 car=car_record,
                 text=batch.responses.texts[k],
+                step_scores=None if batch.step_scores is None else batch.step_scores[k],
+                process=None if batch.process is None else batch.process[k],
             )
         )
     return records
@@ -369,13 +386,14 @@ def score_group(
     problem: Problem,
     om: Any,
     car: CarResult | None,
+    process: ProcessScorer | None = None,
 ) -> tuple[StepBatch, int]:
     """`score_step` on one prompt's rollouts, its answer comparisons within one grading budget
     (`omgrpo.reward.grading_budget_s`: groups are scored concurrently in the agent-loop
     workers, so each has its own); returns the scored group and the comparisons it left
-    undecided (`answers/grading_timeouts`)."""
+    undecided (`answers/grading_timeouts`). `process`: the PRM client (reward `process`)."""
     grader = Grader.from_config(om.reward)
-    batch = score_step(tokenizer, ids, mask, [problem], om, car=car, grader=grader)
+    batch = score_step(tokenizer, ids, mask, [problem], om, car=car, grader=grader, process=process)
     return batch, grader.timeouts
 
 
@@ -390,3 +408,6 @@ class OmgrpoAgentLoopManager(AgentLoopManagerTQ):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.agent_loop_workers_class = ray.remote(OmgrpoAgentLoopWorker)
+        om = section(self.config)
+        # the workers find the PRM actor by name when they first score a group
+        self.prm_server = start_prm_server(om) if "process" in om.reward.parts else None

@@ -26,12 +26,14 @@ from omgrpo.config import (
     validate_algorithm,
 )
 from omgrpo.core.car import CarConfig
+from omgrpo.core.process import aggregate
 
 VERL_PRESETS_DIR = EXPERIMENTS_DIR / "verl"
 
-SUPPORTED_REWARDS: tuple[str, ...] = ("soft_vote", "format", "majority_vote", "gt")
-"""Reward parts the verl backend computes inside the agent loop. self_certainty / entropy need
-the policy's full token distributions and coreward a paraphrase group: native trainer only."""
+SUPPORTED_REWARDS: tuple[str, ...] = ("soft_vote", "format", "majority_vote", "gt", "process")
+"""Reward parts the verl backend computes inside the agent loop (`process`: with the PRM actor of
+`omgrpo.backends.verl.prm`). self_certainty / entropy need the policy's full token distributions
+and coreward a paraphrase group: native trainer only."""
 
 REQUIRED_KEYS: dict[str, str] = {
     "actor_rollout_ref.model.path": "/models/Qwen3-1.7B-Base",
@@ -80,6 +82,19 @@ class VerlRolloutSection:
 
 
 @dataclass
+class VerlPrmServerSection:
+    """Ray resources of the PRM actor (`omgrpo.backends.verl.prm`), used with the `process`
+    reward."""
+
+    num_gpus: float = 0.0
+    """GPUs of the PRM actor, outside verl's resource pools (leave them free: fewer
+    `trainer.n_gpus_per_node` than the node has); 0: the PRM runs on the CPU (tiny PRMs,
+    tests)."""
+    num_cpus: float = 1.0
+    """CPUs Ray reserves for it."""
+
+
+@dataclass
 class OmgrpoVerlConfig:
     """The `omgrpo` section of a verl config (method presets use the native trainer's keys)."""
 
@@ -98,6 +113,7 @@ class OmgrpoVerlConfig:
     rollout: VerlRolloutSection = field(default_factory=VerlRolloutSection)
     car: CarConfig = field(default_factory=CarConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
+    prm_server: VerlPrmServerSection = field(default_factory=VerlPrmServerSection)
 
 
 RESUME_MODES: dict[bool | str, tuple[str, ...]] = {
@@ -218,6 +234,7 @@ def validate_section(cfg: DictConfig) -> None:
             f"(supported: {', '.join(SUPPORTED_REWARDS)}); use the native trainer for them"
         )
     validate_algorithm(om.algorithm, "omgrpo.algorithm")
+    _check_process(om)
     _check_verl_owned(om)
     _check_group_size(cfg, om)
     _check_masking(cfg)
@@ -234,6 +251,24 @@ def validate_section(cfg: DictConfig) -> None:
         )
     if OmegaConf.select(cfg, "algorithm.adv_estimator") != "grpo":
         raise ValueError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
+
+
+def _check_process(om: DictConfig) -> None:
+    """The `process` reward needs a PRM checkpoint (the toy PRM is the native trainer's)."""
+    if "process" not in om.reward.parts:
+        return
+    aggregate([], om.reward.prm.aggregate)  # names the valid aggregations
+    if not om.reward.prm.path:
+        raise ValueError(
+            "omgrpo.reward.prm.path is null, which means the toy PRM (native trainer only): "
+            "point it at a PRM checkpoint for reward 'process' on verl (docs/prm.md)"
+        )
+    if om.reward.prm.batch_size < 1:
+        raise ValueError(
+            f"omgrpo.reward.prm.batch_size must be >= 1, got {om.reward.prm.batch_size}"
+        )
+    if om.prm_server.num_gpus < 0 or om.prm_server.num_cpus < 0:
+        raise ValueError("omgrpo.prm_server.num_gpus and num_cpus must be >= 0")
 
 
 def _check_verl_owned(om: DictConfig) -> None:

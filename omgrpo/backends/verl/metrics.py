@@ -95,6 +95,9 @@ def batch_from_records(
         ),
         car=car,
         grader=grader,
+        # the PRM's step scores, when the step's reward had the `process` part
+        step_scores=[r.step_scores for r in recs] if "process" in parts else None,
+        process=[r.process for r in recs] if "process" in parts else None,
     )
 
 

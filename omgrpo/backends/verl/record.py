@@ -58,6 +58,10 @@ class RolloutRecord:
     """CAR's pair answers of this anchor and the group's counters; None without CAR."""
     text: str | None = None
     """The decoded response (the run store's rollout table, `text`); None: not recorded."""
+    step_scores: list[float] | None = None
+    """Reward `process`: the PRM's score of each step (None: unscored, or no PRM)."""
+    process: float | None = None
+    """Reward `process`: their aggregate (`reward.prm.aggregate`; None: unscored, or no PRM)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain builtins for TransferQueue (pairs as lists)."""

@@ -131,6 +131,35 @@ def test_unsupported_or_bad_values_fail_with_the_key():
         compose_verl("paper_qwen3", [])
 
 
+@pytest.mark.parametrize("method", ["prm", "prm_om"])
+def test_the_prm_methods_compose_and_pass_verls_own_checks(method):
+    """The process reward on verl: the method preset lands in the `omgrpo` section, the config
+    passes verl's validate_config and dataclasses; the PRM actor's resources default to the CPU."""
+    path = "/models/math-shepherd-mistral-7b-prm"
+    cfg = compose_verl(
+        "paper_qwen3_1p7b",
+        [*LAUNCH, f"method={method}", f"omgrpo.reward.prm.path={path}"],
+    )
+    check_verl(cfg)
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.kl_loss_coef == 0.005
+    om = cfg.omgrpo
+    assert list(om.reward.parts) == ["process", "format"] and om.reward.prm.path == path
+    assert om.algorithm.answer_weight == (1.0 if method == "prm" else 0.0) and not om.car.enable
+    assert (om.prm_server.num_gpus, om.prm_server.num_cpus) == (0.0, 1.0)
+    with pytest.raises(ValueError, match=r"omgrpo\.reward\.prm\.path is null.*toy PRM"):
+        compose_verl("paper_qwen3_1p7b", [f"method={method}"])
+    with pytest.raises(ValueError, match=r"aggregate 'median'.*min, last, mean, product"):
+        compose_verl(
+            "paper_qwen3_1p7b",
+            [
+                f"method={method}",
+                f"omgrpo.reward.prm.path={path}",
+                "omgrpo.reward.prm.aggregate=median",
+            ],
+        )
+
+
 @pytest.mark.parametrize(
     ("override", "match"),
     [

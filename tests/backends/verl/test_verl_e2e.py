@@ -9,7 +9,8 @@ server's request log.
 
 Each verl process costs ~2 min of startup on 2 cores, so the checks share processes: one run of
 OM-GRPO with CAR (2 steps, collapse stop forced, a checkpoint at step 2), and one run each of
-`method=mv` and `method=gt` (1 step), side by side. The OM-GRPO run's omgrpo run store is then
+`method=mv` and `method=gt` (1 step), side by side, and one step of `method=prm` (a tiny random
+PRM in its Ray actor). The OM-GRPO run's omgrpo run store is then
 read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export` (verl's
 model merger) -> `transformers` (the actor's log-probs) -> `omgrpo eval`.
 """
@@ -129,6 +130,66 @@ def test_mv_and_gt_one_step(setup, tmp_path):
         assert "reward/soft_vote" not in steps[method][1], method
     # the GT reward is the correctness the diagnostics measure
     assert steps["gt"][1]["reward/gt"] == pytest.approx(steps["gt"][1]["acc/train"])
+
+
+def tiny_prm(base: Path, out: Path) -> Path:
+    """A tiny random token-classification PRM reading the toy base's tokenizer, saved as a
+    user's checkpoint would be (its scores are noise: enough to make rewards differ)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForTokenClassification
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=2,
+    )
+    Qwen3ForTokenClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_prm_one_step(setup, tmp_path, metric_table):
+    """One step of `method=prm` (issue 28): the PRM actor loads the checkpoint on the CPU, the
+    agent loop's groups get the process reward (+ format), and the PRM's diagnostics reach
+    verl's log under the native names."""
+    prm = tiny_prm(setup[0], tmp_path / "prm")
+    extra = [
+        "method=prm",
+        f"omgrpo.reward.prm.path={prm}",
+        "omgrpo.reward.prm.format=token_classification",
+    ]
+    steps = _run(tmp_path, setup, 1, extra)
+    problems = check_run(
+        steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=("process", "format")
+    )
+    assert not problems, "\n".join(problems)
+    m = steps[1]
+    logged = set(m)
+    assert metric_table.undocumented(logged, "verl") == []  # docs/metrics.md
+    assert m["prm/unscored_share"] == 0.0 and m["prm/steps_per_response"] > 0
+    assert 0 < m["prm/step_score_mean"] < 1
+    # no rollout was left unscored, so the process reward is the aggregate itself
+    assert m["reward/process"] == pytest.approx(m["prm/aggregate_mean"])
+    check_prm_rollouts(tmp_path / "runs" / "paper_qwen3_1p7b__prm__s0")
+
+
+def check_prm_rollouts(run_dir: Path) -> None:
+    """The run store's rollouts of step 1 hold each rollout's step scores, and its process
+    reward is their minimum (`reward.prm.aggregate=min`; the table rounds to 4 decimals)."""
+    table = pd.read_parquet(run_dir / "rollouts" / "step_000001.parquet")
+    assert len(table) == PROMPTS * G
+    for scores, reward in zip(table["prm_step_scores"], table["reward_process"]):
+        steps = [float(x) for x in scores.split()]
+        assert steps and reward == pytest.approx(min(steps), abs=1e-4)
 
 
 def check_run_store(run_dir: Path, steps: dict[int, dict], served: dict) -> None:

@@ -18,6 +18,7 @@ except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to g
 import asyncio
 import logging
 import math
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +45,7 @@ from omgrpo.core.step import LoopState, decode_responses, extract_answer, score_
 from omgrpo.core.step import step_metrics as native_step_metrics
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.tasks import Problem
+from omgrpo.tasks.base import build_messages
 
 PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 RESPONSES = ["2+2=4 so \\boxed{4}", "two and two: \\boxed{4}", "I think \\boxed{5}"]
@@ -195,9 +197,10 @@ def rollout(tok, text: str) -> AgentLoopOutput:
     )
 
 
-async def run_group(worker, tok, texts, uid="u0", index: int | None = 7):
+async def run_group(worker, tok, texts, uid="u0", index: int | None = 7, question: str = "2+2?"):
     worker._groups[uid] = al._Group(len(texts))
     common = {"uid": uid, "reward_model": {"ground_truth": "4"}, "data_source": "toy"}
+    common["raw_prompt"] = build_messages(question)  # the row's chat prompt, as verl passes it
     # verl's dataset copies extra_info.index to `index`, 0 when the row has none
     common["index"] = 0 if index is None else index
     common["extra_info"] = {} if index is None else {"index": index}
@@ -477,3 +480,200 @@ def test_agent_loop_answer_masks_follow_the_answer_span(tok, monkeypatch):
         digit = text.rindex("{") + 1 if "{" in text else None
         expected = [] if digit is None else [digit, digit + 1, len(text)]
         assert mask.nonzero().flatten().tolist() == expected
+
+
+# -- the process reward (PRM) ------------------------------------------------------------------
+PRM_GROUPS = {
+    "u0": ["7+5=12\n12*3=36\nSo \\boxed{36}.", "4-1=3\n\nSo \\boxed{3}.", "\\boxed{4}"],
+    "u1": ["", "9*2=18\n18+40=58\n58-7=51\nSo \\boxed{51}.", "2+2=4\nthe answer: \\boxed{4}"],
+}
+PRM_QUESTIONS = {"u0": "Evaluate left to right: 7+5*3", "u1": "Evaluate left to right: 9*2+40-7"}
+
+
+@pytest.fixture(scope="module")
+def prm_dir(tmp_path_factory):
+    """A tiny random token-classification PRM with the toy world's BPE tokenizer, saved as a
+    user's checkpoint would be (as tests/models/test_prm.py builds it)."""
+    from transformers import Qwen3Config, Qwen3ForTokenClassification
+
+    from omgrpo.models.tokenizer import build_bpe_tokenizer
+    from omgrpo.models.toy import toy_corpus
+    from omgrpo.tasks.toy import ToyWorldSpec, generate_sft_problems
+
+    root = tmp_path_factory.mktemp("prm")
+    torch.manual_seed(0)
+    prm_tok = build_bpe_tokenizer(toy_corpus(generate_sft_problems(200, 0, ToyWorldSpec())))
+    config = Qwen3Config(
+        vocab_size=len(prm_tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=prm_tok.pad_token_id,
+        num_labels=2,
+    )
+    Qwen3ForTokenClassification(config).save_pretrained(root)
+    prm_tok.save_pretrained(root)
+    return root
+
+
+def prm_overrides(path, prefix: str = "") -> list[str]:
+    """method=prm with the tiny PRM; batches of 2 responses, so that batches cross groups."""
+    return [
+        "method=prm",
+        f"{prefix}reward.prm.path={path}",
+        f"{prefix}reward.prm.format=token_classification",
+        f"{prefix}reward.prm.batch_size=2",
+    ]
+
+
+def test_verl_and_native_give_the_same_process_rewards(tok, monkeypatch, prm_dir):
+    """The same rollouts through verl's agent loop (two groups scored concurrently by one PRM
+    server, its batches mixing the groups) and through the native score_step with the same
+    checkpoint: the same step scores, aggregates, rewards and `prm/*` metrics, exactly."""
+    from omgrpo.backends.verl.config import compose_verl
+    from omgrpo.backends.verl.prm import PrmClient, PrmServer
+    from omgrpo.models.prm import load_prm
+
+    worker, _ = make_worker(tok, monkeypatch, car=False)
+    section = compose_verl("paper_qwen3_1p7b", prm_overrides(prm_dir, "omgrpo.")).omgrpo
+    worker.omgrpo = worker.config.omgrpo = section
+    server = PrmServer(
+        prm=load_prm(prm_dir, section.reward.prm, torch.device("cpu"), torch.float32)
+    )
+    batches, score_batch = [], server.prm.score_batch
+
+    def recorded(items):  # the first batch waits (in its thread) until the second group queued
+        wait_for(lambda: batches or len(server._pending) == 2)
+        batches.append([q for q, _ in items])
+        return score_batch(items)
+
+    server.prm.score_batch = recorded
+
+    def wait_for(condition):
+        for _ in range(500):
+            if condition():
+                return
+            time.sleep(0.01)
+
+    async def both_groups():
+        loop = asyncio.get_running_loop()
+
+        def submit(questions, responses, deadline):
+            if questions[0] == PRM_QUESTIONS["u1"]:  # u1 asks once u0 is queued
+                wait_for(lambda: server._pending or batches)
+            job = server.score(questions, responses, deadline)
+            return asyncio.run_coroutine_threadsafe(job, loop).result()
+
+        worker._prm = PrmClient(submit, section.reward.prm.budget_s)
+        groups = [
+            run_group(worker, tok, texts, uid=uid, index=i, question=PRM_QUESTIONS[uid])
+            for i, (uid, texts) in enumerate(PRM_GROUPS.items())
+        ]
+        return [o for outs in await asyncio.gather(*groups) for o in outs]
+
+    outs = asyncio.run(both_groups())
+    # batches of 2 (reward.prm.batch_size), the second holding a response of each group: the
+    # native trainer's batches of the step's six responses. (The same batches: a batched matmul
+    # may round a row differently at another position or padded width, ~1e-8.)
+    q0, q1 = PRM_QUESTIONS.values()
+    assert batches == [[q0, q0], [q0, q1], [q1, q1]]
+
+    problems = [
+        Problem(id=f"toy/{i}", question=PRM_QUESTIONS[uid], answer="4")
+        for i, uid in enumerate(PRM_GROUPS)
+    ]
+    responses = [torch.tensor(o.response_ids) for o in outs]
+    ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
+    cfg = compose(prm_overrides(prm_dir))
+    native_prm = load_prm(prm_dir, cfg.reward.prm, torch.device("cpu"), torch.float32)
+    native = score_step(tok, ids, mask, problems, cfg, process=native_prm)
+
+    records = [o.extra_fields[RECORD_KEY] for o in outs]
+    assert [r["step_scores"] for r in records] == native.step_scores
+    assert [len(s) for s in native.step_scores] == [3, 2, 1, 0, 4, 2]
+    assert [r["process"] for r in records] == native.process
+    assert [r["rewards"]["process"] for r in records] == native.reward_parts["process"].tolist()
+    assert [o.reward_score for o in outs] == native.rewards.tolist()
+    verl_m = records_metrics(
+        [u for u, t in PRM_GROUPS.items() for _ in t],
+        records,
+        [o.reward_score for o in outs],
+        confident_share=0.6,
+        state=LoopState(),
+    )
+    native_m = native_step_metrics(native, LoopState(), 0.6)
+    prm_keys = {k for k in native_m if k.startswith("prm/")}
+    assert len(prm_keys) == 9 and prm_keys <= set(verl_m)
+    for key in prm_keys:
+        a, b = verl_m[key], native_m[key]
+        assert a == b or (math.isnan(a) and math.isnan(b)), key
+
+
+class CountingPrm:
+    """A stand-in PRM: steps are lines, a step's score is its length / 10, batches recorded."""
+
+    batch_size = 2
+
+    def __init__(self):
+        self.batches = []
+
+    def steps(self, response):
+        return response.split("\n")
+
+    def score_batch(self, items):
+        self.batches.append([steps for _, steps in items])
+        return [[len(s) / 10 for s in steps] for _, steps in items]
+
+
+def test_the_prm_server_batches_across_groups_within_their_deadlines():
+    """Three groups queued while the server is busy are scored two responses per batch, oldest
+    first; a group whose deadline passed before its turn gets None for what was not started."""
+    from omgrpo.backends.verl.prm import PrmServer
+
+    prm, now = CountingPrm(), [0.0]
+    server = PrmServer(prm=prm, clock=lambda: now[0])
+
+    async def scenario():
+        a = asyncio.create_task(server.score(["q"] * 3, ["a", "bb", "ccc"], deadline=10))
+        b = asyncio.create_task(server.score(["q"] * 2, ["d", "ee"], deadline=10))
+        late = asyncio.create_task(server.score(["q"], ["f"], deadline=0.5))
+        await asyncio.sleep(0)  # all three are queued before the first batch starts
+        now[0] = 1.0  # by then the third group's deadline has passed
+        return await asyncio.gather(a, b, late)
+
+    a, b, late = asyncio.run(scenario())
+    assert prm.batches == [[["a"], ["bb"]], [["ccc"], ["d"]], [["ee"]]]
+    assert a == [[0.1], [0.2], [0.3]] and b == [[0.1], [0.2]] and late == [None]
+
+
+def test_a_spent_prm_budget_leaves_the_group_unscored(tok, monkeypatch, prm_dir):
+    """Budget 0: nothing is scored; every rollout gets the group's mean process score (0 when
+    none was scored), as natively, and `prm/unscored_share` says so."""
+    from omgrpo.backends.verl.prm import PrmClient, PrmServer
+
+    worker, _ = make_worker(tok, monkeypatch, car=False)
+    worker.omgrpo.reward.parts = ["process", "format"]
+    prm = CountingPrm()
+    server = PrmServer(prm=prm)
+
+    async def one_group():
+        loop = asyncio.get_running_loop()
+        worker._prm = PrmClient(
+            lambda q, r, d: asyncio.run_coroutine_threadsafe(server.score(q, r, d), loop).result(),
+            budget_s=0.0,
+        )
+        return await run_group(worker, tok, PRM_GROUPS["u0"])
+
+    outs = asyncio.run(one_group())
+    records = [o.extra_fields[RECORD_KEY] for o in outs]
+    assert prm.batches == [] and [r["step_scores"] for r in records] == [None] * 3
+    assert [r["rewards"]["process"] for r in records] == [0.0] * 3
+    m = records_metrics(
+        ["u0"] * 3, records, [o.reward_score for o in outs], confident_share=0.6, state=LoopState()
+    )
+    assert m["prm/unscored_share"] == 1.0
