@@ -148,12 +148,22 @@ def study_report_main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="output folder (report.md, summary.json)")
     parser.add_argument("--command", help="the command that ran the study (for the record)")
     parser.add_argument("--seconds", type=float, help="the study's wall time (for the record)")
+    parser.add_argument(
+        "--interim",
+        action="store_true",
+        help="the grid is not complete: the report says so and its verdicts are not interpreted",
+    )
     ns = _parse(parser, argv)
     if isinstance(ns, int):
         return ns
     try:
         path = write_study_report(
-            ns.runs, ns.prereg, ns.out, command=ns.command, seconds=ns.seconds
+            ns.runs,
+            ns.prereg,
+            ns.out,
+            command=ns.command,
+            seconds=ns.seconds,
+            interim=ns.interim,
         )
     except (FileNotFoundError, NoRunsError, ValueError) as e:
         return _fail(prog, str(e))

@@ -39,6 +39,7 @@ from omgrpo.analysis.figures import DRAW, MissingRunsError
 from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
 from omgrpo.analysis.mechanism import mechanism_section, mechanism_table
 from omgrpo.analysis.report import base_checks, base_checks_section, what_happened
+from omgrpo.tracking.store import RunStore
 
 __all__ = ["Verdict", "judge_predictions", "read_preregistration", "verdict_table"]
 
@@ -302,6 +303,51 @@ def process_quality_section(df: pd.DataFrame, spec: Mapping) -> list[str]:
     return [*lines, "", guide, ""]
 
 
+def _state(run_dir: Path) -> str | None:
+    try:
+        return RunStore(run_dir).read_status().get("state")
+    except (OSError, ValueError):
+        return None
+
+
+def _draw_figures(df: pd.DataFrame, spec: Mapping, folder: Path) -> list[str]:
+    """Each predicted world's figures into `folder`; their file names."""
+    figures = []
+    for world in sorted({p["world"] for p in spec["predictions"]}):
+        runs_of_world = df[df["experiment"].astype(str).str.fullmatch(_world_pattern(world))]
+        for name in ("training_dynamics", "collapse_route", "token_roles"):
+            try:
+                fig = DRAW[name](runs_of_world)
+            except MissingRunsError:
+                continue  # e.g. no hard problems in the faithful world
+            fig.savefig(folder / f"{world}__{name}.png", dpi=110)
+            figures.append(f"{world}__{name}.png")
+    return figures
+
+
+def _warnings(interim_runs: Sequence[Path] | None, failed_gates: Sequence[Verdict]) -> list[str]:
+    """The bold lines that say the verdicts are not to be interpreted: an incomplete grid
+    (`interim_runs`: the run directories found) and the gates that were not confirmed."""
+    lines = []
+    if interim_runs is not None:
+        finished = sum(_state(d) in ("finished", "collapsed") for d in interim_runs)
+        lines += [
+            f"**Interim report: the grid is not complete ({finished} of the {len(interim_runs)} "
+            "runs found have finished). By the pre-registration these verdicts are not "
+            "interpreted; they are printed to show the state of the study.**",
+            "",
+        ]
+    if failed_gates:
+        lines += [
+            "**"
+            + "; ".join(f"The control {g.id} is {g.verdict}" for g in failed_gates)
+            + ": by the pre-registration the study stops here. The other verdicts are printed "
+            "but not interpreted.**",
+            "",
+        ]
+    return lines
+
+
 def write_study_report(
     runs: Sequence[str | Path],
     prereg: str | Path,
@@ -309,8 +355,10 @@ def write_study_report(
     *,
     command: str | None = None,
     seconds: float | None = None,
+    interim: bool = False,
 ) -> Path:
-    """`out`/report.md, summary.json and figures/<world>.png for a pre-registered study."""
+    """`out`/report.md, summary.json and figures/<world>.png for a pre-registered study;
+    `interim`: the grid is incomplete, and the report says its verdicts are not interpreted."""
     spec = read_preregistration(prereg)
     out = Path(out)
     (out / "figures").mkdir(parents=True, exist_ok=True)
@@ -324,17 +372,7 @@ def write_study_report(
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
-    worlds = sorted({p["world"] for p in spec["predictions"]})
-    figures = []
-    for world in worlds:
-        runs_of_world = df[df["experiment"].astype(str).str.fullmatch(_world_pattern(world))]
-        for name in ("training_dynamics", "collapse_route", "token_roles"):
-            try:
-                fig = DRAW[name](runs_of_world)
-            except MissingRunsError:
-                continue  # e.g. no hard problems in the faithful world
-            fig.savefig(out / "figures" / f"{world}__{name}.png", dpi=110)
-            figures.append(f"{world}__{name}.png")
+    figures = _draw_figures(df, spec, out / "figures")
     checks = base_checks(run_dirs)
     lines = [
         f"# Collapse study: report (pre-registration version {spec.get('version')}, "
@@ -346,14 +384,7 @@ def write_study_report(
         f"{df['run'].nunique() if len(df) else 0} runs in {', '.join(map(str, runs))}.",
         "",
     ]
-    if stopped:
-        lines += [
-            "**"
-            + "; ".join(f"The control {g} is {by_id[g].verdict}" for g in failed)
-            + ": by the pre-registration the study stops here. The other verdicts are printed "
-            "but not interpreted.**",
-            "",
-        ]
+    lines += _warnings(run_dirs if interim else None, [by_id[g] for g in failed])
     lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
     lines += what_happened(df)
     lines += process_quality_section(df, spec)
@@ -366,6 +397,7 @@ def write_study_report(
         "command": command,
         "commit": commit,
         "seconds": seconds,
+        "interim": interim,
         "stopped_by_positive_control": stopped,
         "verdicts": as_json(verdicts),
         "base_checks": checks,

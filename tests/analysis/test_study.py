@@ -216,6 +216,14 @@ def test_study_report_cli_on_fixture_runs(tmp_path, capsys):
     (v,) = summary["verdicts"]
     assert set(v["values"]) == {"toy/s0", "toy/s1"}
     assert (out / "figures" / "toy__training_dynamics.png").stat().st_size > 0
+    assert "Interim report" not in text and summary["interim"] is False
+    assert (
+        main(["study-report", str(runs), "--prereg", str(prereg), "--out", str(out), "--interim"])
+        == 0
+    )
+    text = (out / "report.md").read_text()
+    assert "**Interim report: the grid is not complete (" in text
+    assert __import__("json").loads((out / "summary.json").read_text())["interim"] is True
     assert not (out / "figures" / "toy__collapse_route.png").exists()  # no difficulty metrics
     assert (
         main(["study-report", str(runs), "--prereg", str(tmp_path / "none.md"), "--out", str(out)])
