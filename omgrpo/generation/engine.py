@@ -550,19 +550,23 @@ def shared_prompt_logits(
         model, [list(p) for p in node_of], [[0] * len(node_of)], pad_id
     )
     rows = torch.tensor(row_node, device=device)
-    first = last[rows, -1:]  # the prompt's last position predicts token 0
-    prefix = (*cache_tensors(cache), padding_bias(mask, first.dtype), next_pos)
+    prefix = (*cache_tensors(cache), padding_bias(mask, last.dtype), next_pos)
+    # Each chunk's logits are written into one (R, T, V) output in place: padding, joining
+    # and reordering the chunks as separate tensors held 4 copies of the logits at once
+    # (measured, `omgrpo bench memory`); this holds the output and one chunk's logits.
+    out = last.new_zeros((len(prompts), response_ids.shape[1], last.shape[-1]))
+    out[:, :1] = last[rows, -1:]  # the prompt's last position predicts token 0
     # tokens 0 .. length-2 predict tokens 1 .. length-1; the last one predicts nothing
     inputs = response_mask.sum(-1).to(device) - 1
     order = torch.argsort(inputs, descending=True, stable=True)
-    parts = []
     n_chunks = max(chunks, -(-len(order) // max_chunk_rows))
     for index in order.tensor_split(min(n_chunks, len(order))):
         width = int(inputs[index].max().clamp(min=0))
-        part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
-        parts.append(F.pad(part, (0, 0, 0, response_ids.shape[1] - 1 - width)))
-    rest = torch.cat(parts)[torch.argsort(order)]
-    return torch.cat([first, rest], dim=1)
+        if width > 0:
+            part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
+            out[index, 1 : 1 + width] = part
+            del part  # freed before the next chunk's logits exist
+    return out
 
 
 def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> torch.Tensor:
@@ -570,9 +574,7 @@ def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> to
     of `prefix` = (per-layer keys, values (P, kv heads, L, D), padding bias (P, L), next
     position (P, 1))."""
     keys, values, prompt_bias, next_pos = prefix
-    n_rows, width = ids.shape
-    if width == 0:
-        return prompt_bias.new_zeros((n_rows, 0, model.config.vocab_size))
+    n_rows, width = ids.shape  # width > 0 (shared_prompt_logits skips empty chunks)
     device = ids.device
     positions = next_pos[rows] + torch.arange(width, device=device)
     causal = torch.full((width, width), torch.finfo(prompt_bias.dtype).min, device=device)
