@@ -551,22 +551,41 @@ def shared_prompt_logits(
     )
     rows = torch.tensor(row_node, device=device)
     prefix = (*cache_tensors(cache), padding_bias(mask, last.dtype), next_pos)
-    # Each chunk's logits are written into one (R, T, V) output in place: padding, joining
-    # and reordering the chunks as separate tensors held 4 copies of the logits at once
-    # (measured, `omgrpo bench memory`); this holds the output and one chunk's logits.
-    out = last.new_zeros((len(prompts), response_ids.shape[1], last.shape[-1]))
-    out[:, :1] = last[rows, -1:]  # the prompt's last position predicts token 0
     # tokens 0 .. length-2 predict tokens 1 .. length-1; the last one predicts nothing
     inputs = response_mask.sum(-1).to(device) - 1
     order = torch.argsort(inputs, descending=True, stable=True)
+    # the prompt's last position predicts token 0 of every row
+    slots, parts = [(torch.arange(len(prompts), device=device), 0, 1)], [last[rows, -1:]]
     n_chunks = max(chunks, -(-len(order) // max_chunk_rows))
     for index in order.tensor_split(min(n_chunks, len(order))):
         width = int(inputs[index].max().clamp(min=0))
         if width > 0:
-            part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
-            out[index, 1 : 1 + width] = part
-            del part  # freed before the next chunk's logits exist
-    return out
+            slots.append((index, 1, 1 + width))
+            parts.append(_response_logits(model, response_ids[index, :width], rows[index], prefix))
+    return _Place.apply((len(prompts), response_ids.shape[1], last.shape[-1]), slots, *parts)
+
+
+class _Place(torch.autograd.Function):
+    """Pieces of logits placed into one zero (R, T, V) tensor, `slots` = (rows, first, end
+    position) per piece; the gradient of a piece is its slot of the output's gradient.
+
+    Padding, joining and reordering the chunks as tensors of their own held 4 copies of the
+    logits at once (5 in `response_logprobs`: `omgrpo bench memory`); writing them in place
+    into one output under autograd cloned the output's whole gradient per write (2 more
+    copies in the update). This holds the pieces and the output, and in backward the output's
+    gradient and the pieces' (2 copies each)."""
+
+    @staticmethod
+    def forward(ctx, shape, slots, *parts):
+        out = parts[0].new_zeros(shape)
+        for (index, lo, hi), part in zip(slots, parts):
+            out[index, lo:hi] = part
+        ctx.slots = slots
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, *(grad[index, lo:hi] for index, lo, hi in ctx.slots)
 
 
 def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> torch.Tensor:
