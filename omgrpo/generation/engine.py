@@ -550,19 +550,42 @@ def shared_prompt_logits(
         model, [list(p) for p in node_of], [[0] * len(node_of)], pad_id
     )
     rows = torch.tensor(row_node, device=device)
-    first = last[rows, -1:]  # the prompt's last position predicts token 0
-    prefix = (*cache_tensors(cache), padding_bias(mask, first.dtype), next_pos)
+    prefix = (*cache_tensors(cache), padding_bias(mask, last.dtype), next_pos)
     # tokens 0 .. length-2 predict tokens 1 .. length-1; the last one predicts nothing
     inputs = response_mask.sum(-1).to(device) - 1
     order = torch.argsort(inputs, descending=True, stable=True)
-    parts = []
+    # the prompt's last position predicts token 0 of every row
+    slots, parts = [(torch.arange(len(prompts), device=device), 0, 1)], [last[rows, -1:]]
     n_chunks = max(chunks, -(-len(order) // max_chunk_rows))
     for index in order.tensor_split(min(n_chunks, len(order))):
         width = int(inputs[index].max().clamp(min=0))
-        part = _response_logits(model, response_ids[index, :width], rows[index], prefix)
-        parts.append(F.pad(part, (0, 0, 0, response_ids.shape[1] - 1 - width)))
-    rest = torch.cat(parts)[torch.argsort(order)]
-    return torch.cat([first, rest], dim=1)
+        if width > 0:
+            slots.append((index, 1, 1 + width))
+            parts.append(_response_logits(model, response_ids[index, :width], rows[index], prefix))
+    return _Place.apply((len(prompts), response_ids.shape[1], last.shape[-1]), slots, *parts)
+
+
+class _Place(torch.autograd.Function):
+    """Pieces of logits placed into one zero (R, T, V) tensor, `slots` = (rows, first, end
+    position) per piece; the gradient of a piece is its slot of the output's gradient.
+
+    Padding, joining and reordering the chunks as tensors of their own held 4 copies of the
+    logits at once (5 in `response_logprobs`: `omgrpo bench memory`); writing them in place
+    into one output under autograd cloned the output's whole gradient per write (2 more
+    copies in the update). This holds the pieces and the output, and in backward the output's
+    gradient and the pieces' (2 copies each)."""
+
+    @staticmethod
+    def forward(ctx, shape, slots, *parts):
+        out = parts[0].new_zeros(shape)
+        for (index, lo, hi), part in zip(slots, parts):
+            out[index, lo:hi] = part
+        ctx.slots = slots
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, *(grad[index, lo:hi] for index, lo, hi in ctx.slots)
 
 
 def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> torch.Tensor:
@@ -570,9 +593,7 @@ def _response_logits(model, ids: torch.Tensor, rows: torch.Tensor, prefix) -> to
     of `prefix` = (per-layer keys, values (P, kv heads, L, D), padding bias (P, L), next
     position (P, 1))."""
     keys, values, prompt_bias, next_pos = prefix
-    n_rows, width = ids.shape
-    if width == 0:
-        return prompt_bias.new_zeros((n_rows, 0, model.config.vocab_size))
+    n_rows, width = ids.shape  # width > 0 (shared_prompt_logits skips empty chunks)
     device = ids.device
     positions = next_pos[rows] + torch.arange(width, device=device)
     causal = torch.full((width, width), torch.finfo(prompt_bias.dtype).min, device=device)

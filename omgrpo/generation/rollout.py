@@ -249,14 +249,21 @@ def response_logprobs(
     step = micro_batch_size or len(seqs)
     with torch.no_grad():
         for i in range(0, len(seqs), step):
+            # a function per micro-batch: its logits are freed before the next one's exist
             part = seqs.select(slice(i, i + step))
-            logits = response_logits(model, part).float()
-            tokens = part.response_ids.to(logits.device)
-            logprobs, entropy = token_logprobs_and_entropy(logits, tokens)
-            out["logprobs"].append(logprobs.cpu())
-            if with_stats:
-                out["entropy"].append(entropy.cpu())
-                # KL(U || p) = -log V - mean_j log p_j
-                mean_logp = torch.log_softmax(logits, -1).mean(-1)
-                out["self_certainty"].append((-mean_logp - math.log(logits.shape[-1])).cpu())
+            for key, value in _micro_logprobs(model, part, with_stats).items():
+                out[key].append(value)
     return {k: torch.cat(v) for k, v in out.items()}
+
+
+def _micro_logprobs(model, part: Sequences, with_stats: bool) -> dict[str, torch.Tensor]:
+    """`response_logprobs` of one micro-batch, on the CPU."""
+    logits = response_logits(model, part).float()
+    logprobs, entropy = token_logprobs_and_entropy(logits, part.response_ids.to(logits.device))
+    out = {"logprobs": logprobs.cpu()}
+    if with_stats:
+        out["entropy"] = entropy.cpu()
+        # KL(U || p) = -log V - mean_j log p_j
+        mean_logp = torch.log_softmax(logits, -1).mean(-1)
+        out["self_certainty"] = (-mean_logp - math.log(logits.shape[-1])).cpu()
+    return out

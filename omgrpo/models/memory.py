@@ -33,7 +33,10 @@ planned at its longest: a batch is padded to its longest row).
 - **scoring** (old / reference log-probs, no grad), m = algorithm.micro_batch_size rows: the
   micro-batch's prompt K/V, one layer's working set of a chunk of rows, and the logits: the
   fp32 logits, their fp32 log-softmax and the entropy's fp32 exp, 12 bytes per m·T·V element
-  (16 with a self-certainty / entropy reward).
+  (the model-dtype logits are freed once cast; with a self-certainty / entropy reward its
+  log-softmax is taken after the entropy's buffers are freed: 12 too). The scorer writes its
+  chunks' logits into one output, so it never holds more (`omgrpo bench memory`: 3.05 copies
+  of the logits measured on the shrunk Qwen3).
 - **update**, m rows with grad: activations saved for backward, per token (p + T per row) and
   layer b·(2h + 4·H·D + 3·Hkv·D + 4I) + 8h (norm inputs in fp32, q/k/v, rotary q/k,
   attention output, the gated MLP's four I-wide tensors; + 4·(H·D + Hkv·D) for Qwen3's q/k
@@ -291,7 +294,7 @@ def _scoring_bytes(shape: ModelShape, s: Sizes, micro: int) -> int:
     prompts = kv_cache_bytes(shape, b, micro * s.prompt_len)
     per_layer_kv = shape.kv_bytes_per_token(b) // shape.layers
     work = chunk * ((s.prompt_len + t) * per_layer_kv + t * layer_work_bytes(shape, b))
-    return prompts + work + micro * t * shape.vocab * (16 if s.stats else 12)
+    return prompts + work + micro * t * shape.vocab * 12  # module docstring: 3 fp32 copies
 
 
 def activation_bytes(shape: ModelShape, s: Sizes, micro: int, checkpointing: bool) -> int:

@@ -128,7 +128,7 @@ def bench_memory(
             "optimizer_step": "inside `update` (ppo_update ends with the AdamW step): "
             "planned as the larger of the two",
             "decode row drop": "no row ends early, so the copy made when finished rows are "
-            "dropped (KEEP_COPY) is not exercised",
+            "dropped (one layer's K or V at a time) is not exercised",
         },
         "target": f"measured peak within {TARGET:.0%} of planned, every stage",
         "meets_target": all(r <= TARGET for r in ratios),
