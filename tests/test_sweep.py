@@ -89,14 +89,16 @@ def test_every_expanded_run_composes(name, plans):
 def test_sweeps_never_share_a_run_directory(plans):
     """The paper's sweep files write under run.root=runs (one MLflow store): names must not
     collide, or a W&B agent's second run of a name would find the first one's directory. The
-    demo, the pre-registered study and its v2 calibration keep their runs (and report input)
-    apart in runs/collapse-demo, runs/collapse-study and runs/collapse-calibration."""
+    demo, the pre-registered study, its v2 calibration and v2 keep their runs (and report
+    input) apart in runs/collapse-demo, runs/collapse-study, runs/collapse-calibration and
+    runs/collapse-study-v2."""
     names = [str(r.root / r.name) for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
     roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
     assert roots.pop("collapse_demo") == {"runs/collapse-demo"}
     for part in ("central", "secondary", "worlds"):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
+        assert roots.pop(f"collapse_study_v2_{part}") == {"runs/collapse-study-v2"}
     assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
     assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
