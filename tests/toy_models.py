@@ -21,3 +21,22 @@ def random_toy_model(num_layers: int, seed: int, num_heads: int = 2, num_kv_head
         )
     model.lm_head = head
     return model, tok
+
+
+def tiny_qwen3_config(tokenizer, num_layers: int = 2, **kw):
+    """A tiny random Qwen3 shape (hidden 32, 2 heads, 1 K/V head) for the tokenizer, e.g. the
+    PRM checkpoints the tests build (`num_labels=2` for a token-classification head)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=num_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=tokenizer.pad_token_id,
+        **kw,
+    )

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForTokenClassification
+from toy_models import tiny_qwen3_config
+from transformers import Qwen3ForCausalLM, Qwen3ForTokenClassification
 
 from omgrpo.config import PrmConfig
 from omgrpo.core.process import split_steps
@@ -31,18 +32,7 @@ def _tokenizer():
 
 
 def _config(tok, **kw):
-    return Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        pad_token_id=tok.pad_token_id,
-        **kw,
-    )
+    return tiny_qwen3_config(tok, **kw)
 
 
 @pytest.fixture(scope="module")

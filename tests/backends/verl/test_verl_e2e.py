@@ -27,6 +27,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "verl_cpu"))
 import harness
+from toy_models import tiny_qwen3_config
 
 from omgrpo.backends.verl.smoke import COLLAPSE_AT_STEP_2, check_run, read_metrics
 
@@ -136,22 +137,11 @@ def tiny_prm(base: Path, out: Path) -> Path:
     """A tiny random token-classification PRM reading the toy base's tokenizer, saved as a
     user's checkpoint would be (its scores are noise: enough to make rewards differ)."""
     import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForTokenClassification
+    from transformers import AutoTokenizer, Qwen3ForTokenClassification
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=2,
-    )
+    config = tiny_qwen3_config(tokenizer, num_layers=1, num_labels=2)
     Qwen3ForTokenClassification(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

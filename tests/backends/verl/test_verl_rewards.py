@@ -494,7 +494,8 @@ PRM_QUESTIONS = {"u0": "Evaluate left to right: 7+5*3", "u1": "Evaluate left to 
 def prm_dir(tmp_path_factory):
     """A tiny random token-classification PRM with the toy world's BPE tokenizer, saved as a
     user's checkpoint would be (as tests/models/test_prm.py builds it)."""
-    from transformers import Qwen3Config, Qwen3ForTokenClassification
+    from toy_models import tiny_qwen3_config
+    from transformers import Qwen3ForTokenClassification
 
     from omgrpo.models.tokenizer import build_bpe_tokenizer
     from omgrpo.models.toy import toy_corpus
@@ -503,18 +504,7 @@ def prm_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("prm")
     torch.manual_seed(0)
     prm_tok = build_bpe_tokenizer(toy_corpus(generate_sft_problems(200, 0, ToyWorldSpec())))
-    config = Qwen3Config(
-        vocab_size=len(prm_tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        pad_token_id=prm_tok.pad_token_id,
-        num_labels=2,
-    )
+    config = tiny_qwen3_config(prm_tok, num_labels=2)
     Qwen3ForTokenClassification(config).save_pretrained(root)
     prm_tok.save_pretrained(root)
     return root
