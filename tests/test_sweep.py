@@ -22,7 +22,7 @@ EXPECTED_RUNS = {
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
     "collapse_study_worlds": 4 * 3 * 1,
-    "prm": 7 * 1,  # mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
+    "prm": 8 * 1,  # null, mv, om_grpo w/o CAR, PRM x 4 aggregations, PRM with OMU; seed 0
     # the v2 calibration (make calibration): gt, mv_shuffled per seed and candidate
     "collapse_calibration": 2 * 1,
     # the v2 study (make study-v2): per seed; central 6 arms, secondary 7, 2 worlds x 4
