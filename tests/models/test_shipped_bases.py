@@ -41,6 +41,34 @@ def test_the_shortcut_preset_has_a_shipped_base():
     assert shipped_base(toy_base_key(cfg.model, cfg.task)) is not None
 
 
+SHIPPED_PRMS = sorted(SHIPPED_DIR.glob("toy-prm-*"))
+
+
+@pytest.mark.parametrize("prm", SHIPPED_PRMS, ids=[p.name for p in SHIPPED_PRMS])
+def test_a_shipped_toy_prm_is_what_its_command_asks_for(prm):
+    """As for the bases: the manifest's recipe hashes to the directory's key, today's config
+    composed from its command (`omgrpo prm train <overrides>`) asks for that key, every file is
+    intact, and it passed its acceptance check."""
+    from omgrpo.models.toy_prm import toy_prm_recipe
+
+    manifest = json.loads((prm / MANIFEST).read_text())
+    assert prm.name == f"toy-prm-{manifest['key']}" == f"toy-prm-{recipe_key(manifest['recipe'])}"
+    assert manifest["command"].startswith("omgrpo prm train")
+    cfg = compose(manifest["command"].split()[3:])
+    assert recipe_key(toy_prm_recipe(cfg.model, cfg.task, cfg.reward.prm.toy)) == manifest["key"]
+    assert shipped_base(manifest["key"], prefix="toy-prm") == prm
+    assert json.loads((prm / "checks.json").read_text())["passed"]
+
+
+def test_the_shortcut_preset_has_a_shipped_toy_prm():
+    """`method=prm` in the shortcut world uses a shipped toy PRM, not one trained on first use."""
+    from omgrpo.models.toy_prm import toy_prm_recipe
+
+    cfg = compose(["experiment=toy_shortcut", "method=prm"])
+    key = recipe_key(toy_prm_recipe(cfg.model, cfg.task, cfg.reward.prm.toy))
+    assert shipped_base(key, prefix="toy-prm") is not None
+
+
 def _fake_base(root: Path, key: str, passed: bool = True) -> Path:
     base = root / f"toy-base-{key}"
     base.mkdir(parents=True)
