@@ -358,7 +358,7 @@ def rollout_table(
 ) -> pd.DataFrame:
     """The step's rollouts, one row each: the run store's `rollouts/step_*.parquet` of both
     backends. `texts`: the responses (default `batch.responses.texts`; verl's driver passes the
-    agent loop's); `question` is empty where the batch's prompts do not carry it (verl)."""
+    agent loop's)."""
     prompts = batch.per_rollout(batch.prompts)
     if texts is None:
         texts = batch.responses.texts if batch.responses is not None else [None] * len(prompts)

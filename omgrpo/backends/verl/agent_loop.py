@@ -316,8 +316,8 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 prompt_ids, [r.tolist() for r in responses], str(kwargs0["uid"]), seed
             )
         process = self._process_scorer()
-        # Only the PRM reads the question; the other rewards read the responses and the label.
-        question = question_of(kwargs0) if process is not None else ""
+        # The PRM reads the question (so it must be there); the rollout table shows it.
+        question = question_of(kwargs0, required=process is not None)
         problem = Problem(id=self._prompt_id(kwargs0, prompt_ids), question=question, answer=label)
         ids = torch.nn.utils.rnn.pad_sequence(responses, batch_first=True)
         mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in responses], True)
@@ -372,6 +372,7 @@ def rollout_records(
                 grading_timeouts=timeouts,  # the group's, on every rollout
                 car=car_record,
                 text=batch.responses.texts[k],
+                question=problem.question,
                 step_scores=None if batch.step_scores is None else batch.step_scores[k],
                 process=None if batch.process is None else batch.process[k],
             )

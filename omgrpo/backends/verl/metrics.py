@@ -73,7 +73,7 @@ def batch_from_records(
     prompts, groups = [], []
     for k, g in enumerate(rows):
         first = records[g[0]]
-        prompts.append(Problem(id=first.prompt_id, question="", answer=first.label))
+        prompts.append(Problem(id=first.prompt_id, question=first.question, answer=first.label))
         pool = car.answers[k] if car is not None else None
         groups.append(
             make_group([records[i].answer for i in g], label=first.label, pool=pool, grader=grader)

@@ -149,13 +149,16 @@ def start_prm_server(om: Any) -> Any:
     return actor.remote(prm_cfg)
 
 
-def question_of(kwargs: dict[str, Any]) -> str:
+def question_of(kwargs: dict[str, Any], required: bool = True) -> str:
     """The question a PRM reads: the last user message of the row's chat prompt (`raw_prompt`;
     omgrpo's rows hold the system instruction and the bare question, as the native trainer's
-    `Problem.question`)."""
+    `Problem.question`). A row without one raises when `required` (the PRM needs it), else
+    gives "" (the rollout table's `question`)."""
     messages = kwargs.get("raw_prompt")
     messages = [] if messages is None else list(messages)  # a list, or verl's numpy array
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if not users and not required:
+        return ""
     if not users:
         raise ValueError(
             "reward 'process' on verl reads the question from the row's chat prompt "

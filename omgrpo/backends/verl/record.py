@@ -58,6 +58,8 @@ class RolloutRecord:
     """CAR's pair answers of this anchor and the group's counters; None without CAR."""
     text: str | None = None
     """The decoded response (the run store's rollout table, `text`); None: not recorded."""
+    question: str = ""
+    """The prompt's question, the last user message of its chat prompt ("" if it has none)."""
     step_scores: list[float] | None = None
     """Reward `process`: the PRM's score of each step (None: unscored, or no PRM)."""
     process: float | None = None

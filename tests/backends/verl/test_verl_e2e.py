@@ -205,6 +205,9 @@ def check_run_store(run_dir: Path, steps: dict[int, dict], served: dict) -> None
         assert len(table) == PROMPTS * G and (table["step"] == step).all()
         assert table.groupby("prompt_id").size().tolist() == [G] * PROMPTS
         assert sorted(table["text"]) == sorted(served[version][0])  # what the server generated
+        # each prompt's question (its chat prompt's user message), the same on its G rows
+        assert (table["question"] != "").all()
+        assert (table.groupby("prompt_id")["question"].nunique() == 1).all()
         m = steps[step]
         assert table["reward"].mean() == pytest.approx(m["reward/total"])
         assert table["answer"].notna().mean() == pytest.approx(m["answers/extract_rate"])

@@ -237,6 +237,7 @@ def test_agent_loop_group_rewards_with_car(tok, monkeypatch):
         assert info["acc"] == float(i < 2) and info["pred"] == ("4" if i < 2 else "5")
         record = out.extra_fields[RECORD_KEY]
         assert record["answer"] == ("4" if i < 2 else "5") and record["prompt_id"] == "toy/7"
+        assert record["question"] == "2+2?"  # the rollout table's `question` column
         assert [tuple(p) for p in record["car"]["pairs"]] == [(i, j) for j in range(3) if j != i]
         # verl's post-processing got the rollout plus the two fields it stores per rollout
         handed_out, kwargs = handed[i]
