@@ -760,12 +760,14 @@ def draw_token_roles(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> 
 
 def draw_prm_baselines(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
     """Paper appendix figure (PRM-based process reward baselines): validation accuracy over
-    steps of the runs rewarded by a process reward model (`prm*` presets) beside OM-GRPO and
-    majority voting; right, the PRM runs' mean aggregated PRM score (their reward) and mean
-    step score, which rise as the policy learns what the PRM likes."""
+    steps of the runs rewarded by a process reward model (`prm*` presets) beside OM-GRPO,
+    majority voting and, where they ran, the controls (GT reward, the shuffled-advantage null);
+    right, the PRM runs' mean aggregated PRM score (their reward) and mean step score, which rise
+    as the policy learns what the PRM likes."""
     _need(df, "PRM baselines", ["val/acc", "prm/aggregate_mean"], HINT_PRM)
     method = df["method"].astype(str)
-    df = _with_labels(df[method.str.startswith(("prm", "om_grpo")) | (method == "mv")])
+    beside = method.isin(["mv", "mv_shuffled", "gt"])
+    df = _with_labels(df[method.str.startswith(("prm", "om_grpo")) | beside])
     colors = _colors(df)
     fig = _new_figure(1, 2)
     a, b = _axes(fig)
@@ -774,7 +776,7 @@ def draw_prm_baselines(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -
     _curves(b, prm, "prm/aggregate_mean", colors=colors, ylabel="PRM score")
     _curves(b, prm, "prm/step_score_mean", colors=colors, linestyle=":", suffix=" (mean step)")
     a.set_title("validation accuracy")
-    b.set_title("PRM score: aggregate (solid), step mean (dotted)")
+    b.set_title("PRM score (dotted: step mean)")
     _legend(a)
     _legend(b)
     fig.suptitle("PRM baselines vs OM-GRPO")
