@@ -76,18 +76,18 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
 
-# The collapse study's central comparison in the shortcut world (sweeps/collapse_demo.yaml): GT
-# reward, majority voting, soft vote + format with w = 1, and OM-GRPO (w = 0), 90 steps each from
-# the shipped shortcut base, 2 runs at a time, then the report (what happened, in words),
-# summary.json and the figures. More seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are
-# skipped when run again.
+# The collapse study v2's central comparison in the shortcut world (sweeps/collapse_demo.yaml):
+# the shuffled-advantage null, majority voting and OM-GRPO (w = 0, the paper's span), 150 steps
+# each with the study's calibrated settings from the shipped shortcut base, 3 runs at once on one
+# thread each, then the report (what happened, in words), summary.json and the figures. More
+# seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are skipped when run again.
 DEMO_SEEDS ?= 0
 DEMO_RUNS ?= runs/collapse-demo
 DEMO_REPORT ?= reports/collapse-demo
 
 demo: $(VENV)/.installed-base
 	@for seed in $(DEMO_SEEDS); do \
-		$(VENV)/bin/omgrpo sweep sweeps/collapse_demo.yaml --jobs 2 seed=$$seed run.root=$(DEMO_RUNS) || exit 1; \
+		$(VENV)/bin/omgrpo sweep sweeps/collapse_demo.yaml --jobs 3 seed=$$seed run.root=$(DEMO_RUNS) trainer.threads=1 || exit 1; \
 	done
 	$(VENV)/bin/omgrpo report $(DEMO_RUNS) --out $(DEMO_REPORT) --title "Collapse demo (shortcut world)"
 	@echo "report: $(DEMO_REPORT)/report.md  summary: $(DEMO_REPORT)/summary.json"

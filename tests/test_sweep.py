@@ -17,7 +17,7 @@ EXPECTED_RUNS = {
     "car_vs_n": 4 * 3,  # om_grpo (CAR, n = 8) vs no CAR at n = 8, 16, 64
     "ttt": 2 * 3,  # mv, om_grpo on toy_ttt
     "base_strength": 2 * 2 * 3,  # toy_weak / toy_strong x mv / om_grpo
-    "collapse_demo": 4 * 1,  # gt, mv, w = 1, om_grpo w/o CAR (shortcut world); seed 0 (make demo)
+    "collapse_demo": 3 * 1,  # null, mv, om_grpo w/o CAR (v2 settings, shortcut world); seed 0
     # the pre-registered collapse study (make study): per seed; 6 secondary; 3 worlds x 4
     "collapse_study_central": 5 * 1,
     "collapse_study_secondary": 6 * 1,
@@ -278,27 +278,25 @@ def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
         assert "task.train_path" in log.read_text()
 
 
-def test_the_demo_is_the_studys_seed0_cut_short():
-    """`make demo` runs the first 90 steps of the collapse study's seed-0 central runs: same
-    world, base, method settings and warm-up steps; only the length and the names differ."""
+def test_the_demo_is_the_v2_studys_central_comparison():
+    """`make demo` runs the v2 study's null, MV and OM-GRPO (paper's span) runs as the study
+    would at seed 0: same world, base, settings and length; only the names, the seed and the
+    mechanism probe (off in the demo) differ."""
     from omgrpo.backends.native.checkpoint import flatten
     from omgrpo.config import compose, to_container
 
     demo = expand_grid(load_sweep(SWEEPS / "collapse_demo.yaml"))
-    study = expand_grid(load_sweep(SWEEPS / "collapse_study_central.yaml"))
-    assert len(demo) == 4
-    for overrides in demo:
-        method = next(o for o in overrides if o.startswith("method="))
+    study = expand_grid(load_sweep(SWEEPS / "collapse_study_v2_central.yaml"))
+    methods = [next(o for o in g if o.startswith("method=")) for g in demo]
+    assert methods == ["method=mv_shuffled", "method=mv", "method=om_grpo_no_car"]
+    for overrides, method in zip(demo, methods):
         twin = next(g for g in study if method in g)  # every demo method is in the study
         a = flatten(to_container(compose(overrides)))
         b = flatten(to_container(compose(twin)))
         differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
         names = {"run.experiment", "run.root", "run.name"}
-        assert differ == {"trainer.steps", "optim.warmup_ratio", *names}
-        assert a["trainer.steps"] < b["trainer.steps"]
-        assert round(a["optim.warmup_ratio"] * a["trainer.steps"]) == round(
-            b["optim.warmup_ratio"] * b["trainer.steps"]
-        )
+        assert differ == {"seed", "diagnostics.mechanism_every", *names}
+        assert a["diagnostics.mechanism_every"] == 0 and a["trainer.steps"] == 150
 
 
 def test_job_split_gives_each_slot_its_threads_and_gpus(monkeypatch):
