@@ -157,9 +157,9 @@ def question_of(kwargs: dict[str, Any], required: bool = True) -> str:
     messages = kwargs.get("raw_prompt")
     messages = [] if messages is None else list(messages)  # a list, or verl's numpy array
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if not users and not required:
-        return ""
     if not users:
+        if not required:
+            return ""
         raise ValueError(
             "reward 'process' on verl reads the question from the row's chat prompt "
             "(`prompt`: a list of messages with a user message); this row has none"
