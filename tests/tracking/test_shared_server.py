@@ -186,8 +186,12 @@ def test_agents_share_one_server_through_a_crash_and_a_reused_path(
         procs = [train_in(d, name, overrides, env) for d in dirs for name in ("r0", "r1")]
         before, alive = crash_mid_run(server, runs, procs)
         outputs = wait_ok(procs)
-        # each run: one warning; steps in the server from before the kill and, for a run
-        # still training at the restart, after it; and a gap between them that the sync fills
+        # each run: one warning; steps in the server from before the kill and, for runs still
+        # training at the restart, after it (the server has none from the outage: it was dead);
+        # and a gap between them that the sync fills. Not "up to the last step": `finish` waits
+        # at most STALL_TIMEOUT_S for an answer, and a loaded CI machine's server once took
+        # longer for a run's last batch (steps 59-60 of 60 went to the sync, as designed)
+        resumed = []
         for run_dir, out, old, live in zip(runs, outputs, before, alive, strict=True):
             assert out.count(DOWN_WARNING) == 1, out[-3000:]
             assert "failed in" not in out, out[-3000:]  # MLflow was never switched off
@@ -195,8 +199,9 @@ def test_agents_share_one_server_through_a_crash_and_a_reused_path(
             logged = server_steps(server.db, mlflow_id(run_dir))
             assert len(old) >= 2 and old <= logged
             if live:
-                assert max(logged) == STEPS, (run_dir, sorted(logged))  # live after restart
+                resumed.append(len(logged - old))
             assert len(logged) < STEPS + 1, (run_dir, sorted(logged))  # ... and a gap
+        assert any(resumed), resumed  # live again after the restart
 
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
         for var, value in MLFLOW_HTTP_DEFAULTS.items():  # what `omgrpo sync` would set
