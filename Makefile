@@ -16,7 +16,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-gpu test lint format demo study study-v2 calibration clean bench-env
+.PHONY: setup setup-gpu test lint format demo study study-v2 study-v3 calibration clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -149,6 +149,9 @@ STUDY2_PARTS ?= central secondary worlds
 STUDY2_RUNS ?= runs/collapse-study-v2
 STUDY2_REPORT ?= reports/collapse-study-v2
 STUDY2_COPY ?= $(STUDY2_REPORT)/runs
+STUDY2_SWEEPS ?= sweeps/collapse_study_v2
+STUDY2_PREREG ?= $(STUDY2_REPORT)/PREREGISTRATION-v2.md
+STUDY2_TARGET ?= study-v2
 STUDY2_ARGS = --jobs 2 run.root=$(STUDY2_RUNS) trainer.threads=1
 
 study-v2: $(VENV)/.installed-base
@@ -159,15 +162,23 @@ study-v2: $(VENV)/.installed-base
 	    $(STUDY2_COPY)/$$(basename $$d)/; done; }; \
 	for part in $(STUDY2_PARTS); do case $$part in \
 	  central) for seed in $(STUDY2_SEEDS); do \
-	    $(OMGRPO) sweep sweeps/collapse_study_v2_central.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; \
-	    $(OMGRPO) sweep sweeps/collapse_study_v2_central.yaml $(STUDY2_ARGS) seed=$$seed model.warm_start.seed=1 \
+	    $(OMGRPO) sweep $(STUDY2_SWEEPS)_central.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; \
+	    $(OMGRPO) sweep $(STUDY2_SWEEPS)_central.yaml $(STUDY2_ARGS) seed=$$seed model.warm_start.seed=1 \
 	      run.experiment=toy_shortcut_base1 || exit 1; copy; done;; \
 	  secondary|worlds) for seed in $(STUDY2_SECONDARY_SEEDS); do \
-	    $(OMGRPO) sweep sweeps/collapse_study_v2_$$part.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; done;; \
+	    $(OMGRPO) sweep $(STUDY2_SWEEPS)_$$part.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; done;; \
 	  *) echo "unknown STUDY2_PARTS entry '$$part' (central secondary worlds)"; exit 2;; \
 	esac; done; \
-	$(OMGRPO) study-report $(STUDY2_RUNS) --prereg $(STUDY2_REPORT)/PREREGISTRATION-v2.md --out $(STUDY2_REPORT) \
-	  --command "make study-v2 STUDY2_SEEDS='$(STUDY2_SEEDS)' STUDY2_PARTS='$(STUDY2_PARTS)'" --seconds $$(( $$(date +%s) - start ))
+	$(OMGRPO) study-report $(STUDY2_RUNS) --prereg $(STUDY2_PREREG) --out $(STUDY2_REPORT) \
+	  --command "make $(STUDY2_TARGET) STUDY2_SEEDS='$(STUDY2_SEEDS)' STUDY2_PARTS='$(STUDY2_PARTS)'" --seconds $$(( $$(date +%s) - start ))
+
+# The collapse study v3 (reports/collapse-study-v3/PREREGISTRATION-v3.md): v2's central grid on
+# 12 fresh units (seeds 7-12 x both bases) with 16 validation samples per problem; the same
+# recipe, resumable the same way from reports/collapse-study-v3/runs.
+study-v3:
+	$(MAKE) study-v2 STUDY2_TARGET=study-v3 STUDY2_SWEEPS=sweeps/collapse_study_v3 \
+	  STUDY2_SEEDS="7 8 9 10 11 12" STUDY2_PARTS=central STUDY2_RUNS=runs/collapse-study-v3 \
+	  STUDY2_REPORT=reports/collapse-study-v3 STUDY2_PREREG=reports/collapse-study-v3/PREREGISTRATION-v3.md
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

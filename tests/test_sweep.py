@@ -29,6 +29,8 @@ EXPECTED_RUNS = {
     "collapse_study_v2_central": 6 * 1,
     "collapse_study_v2_secondary": 7 * 1,
     "collapse_study_v2_worlds": 2 * 4 * 1,
+    # the v3 study (make study-v3): v2's central 6 arms per seed
+    "collapse_study_v3_central": 6 * 1,
 }
 
 
@@ -90,8 +92,8 @@ def test_sweeps_never_share_a_run_directory(plans):
     """The paper's sweep files write under run.root=runs (one MLflow store): names must not
     collide, or a W&B agent's second run of a name would find the first one's directory. The
     demo, the pre-registered study, its v2 calibration and v2 keep their runs (and report
-    input) apart in runs/collapse-demo, runs/collapse-study, runs/collapse-calibration and
-    runs/collapse-study-v2."""
+    input) apart in runs/collapse-demo, runs/collapse-study, runs/collapse-calibration,
+    runs/collapse-study-v2 and runs/collapse-study-v3."""
     names = [str(r.root / r.name) for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
     roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
@@ -99,6 +101,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     for part in ("central", "secondary", "worlds"):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
         assert roots.pop(f"collapse_study_v2_{part}") == {"runs/collapse-study-v2"}
+    assert roots.pop("collapse_study_v3_central") == {"runs/collapse-study-v3"}
     assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
     assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
@@ -379,3 +382,20 @@ def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
     again = plan_runs(path, extra)
     assert [r.state for r in again] == ["resume", "new"]
     assert "run.resume=auto" in again[0].overrides
+
+
+def test_the_v3_study_is_v2s_central_grid_with_16_validation_samples():
+    """PREREGISTRATION-v3 changes one setting of v2's central grid (16 validation samples per
+    problem instead of 4) and its units' seeds; the arms, world, base and training are v2's."""
+    from omgrpo.backends.native.checkpoint import flatten
+    from omgrpo.config import compose, to_container
+
+    v2 = expand_grid(load_sweep(SWEEPS / "collapse_study_v2_central.yaml"))
+    v3 = expand_grid(load_sweep(SWEEPS / "collapse_study_v3_central.yaml"))
+    assert len(v3) == len(v2) == 6
+    for new, old in zip(v3, v2, strict=True):
+        a = flatten(to_container(compose(new)))
+        b = flatten(to_container(compose(old)))
+        differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        assert differ == {"seed", "eval.k", "run.root", "run.name"}, differ
+        assert (a["eval.k"], b["eval.k"], a["seed"]) == (16, 4, 7)
