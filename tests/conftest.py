@@ -11,7 +11,8 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # A developer's shared server or project must not receive test runs (training honours these).
-for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_ENTITY"):
+for _var in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "WANDB_PROJECT", "WANDB_ENTITY",
+             "WANDB_RUN_ID", "WANDB_SWEEP_ID", "WANDB_DIR", "WANDB_RESUME"):  # fmt: skip
     os.environ.pop(_var, None)
 
 # A toy run that takes well under a second per step on 2 CPU cores.

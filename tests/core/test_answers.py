@@ -254,6 +254,10 @@ def test_cluster_group_with_none_and_spellings() -> None:
 
 # Last on purpose: killing the worker makes the next math-verify call wait for a respawn.
 def test_math_verify_worker_timeout_returns_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    # warm up first: the warm-up calls `mv_worker`, which would be the sleepy one once patched
+    # (run alone, this test then waited 30 s; in the suite another test had warmed it up)
+    warm = worker_module.start_grader_warm_up()
+    assert warm is None or warm.wait(60)
     monkeypatch.setattr(worker_module, "mv_worker", _sleepy_worker)
     monkeypatch.setattr(worker_module, "_PAIR_CACHE", {})
     grader = Grader(budget_s=30, pair_timeout=1)

@@ -327,7 +327,7 @@ def test_budget_bounds_a_group_of_towers() -> None:
     elapsed = time.perf_counter() - t0
     assert ids == list(range(len(TOWERS)))  # undecided pairs: different
     assert grader.timeouts > 0
-    assert elapsed < grader.budget_s + 1, elapsed
+    assert elapsed < grader.budget_s + 3, elapsed  # + killing and forking a worker under load
 
 
 PATHOLOGICAL = [
@@ -359,7 +359,7 @@ def test_a_step_of_pathological_answers_stays_within_the_budget() -> None:
     correct = [equivalent(a, "7", grading) for a in PATHOLOGICAL]
     total, parts = compute_rewards([group], ["soft_vote", "format"])
     elapsed = time.perf_counter() - t0
-    assert elapsed < budget_s + 1, elapsed
+    assert elapsed < budget_s + 3, elapsed  # + killing and forking a worker under load
     assert grading.timeouts > 0
     assert correct[-2:] == [True, True] and not any(correct[:-2])
     assert group.classes[-1] == group.classes[-2]  # the two 7s still vote together

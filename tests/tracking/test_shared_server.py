@@ -160,9 +160,10 @@ def run_overrides(tiny_overrides: list[str], steps: int) -> list[str]:
 DOWN_WARNING = "is not taking this run's writes"
 PROBE_S = 1.0  # the runs try the server again at most this often while it is down
 OUTAGE_S = 10.0
-STEPS = 60
+STEPS = 100
 """Long enough that a run is still training a few steps after the restart (it is frozen
-during the outage, see `crash_mid_run`)."""
+during the outage, see `crash_mid_run`), and that no run ends before the slowest of the four,
+started at once on a loaded 2-core machine, has logged the 2 steps that trigger the kill."""
 
 
 def test_agents_share_one_server_through_a_crash_and_a_reused_path(

@@ -325,7 +325,7 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     assert len(ours) == 1, ours
     assert "'mlflow' failed" in ours[0] and "omgrpo sync" in ours[0]
     assert len(ours[0]) < 600 and "[SQL:" not in ours[0]  # the gist, not SQLAlchemy's dump
-    assert seconds < STALL_TIMEOUT_S + 1, seconds
+    assert seconds < STALL_TIMEOUT_S + 10, seconds  # not MLflow's 20 s busy timeout; room for load
     assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
 
     assert store.unsynced() == ["mlflow"]
@@ -364,7 +364,7 @@ def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_pa
         lock.close()
     ours = [str(w.message) for w in caught if issubclass(w.category, TrackerWarning)]
     assert len(ours) == 1 and "failed in start()" in ours[0] and "locked" in ours[0], ours
-    assert seconds < STALL_TIMEOUT_S + 1, seconds
+    assert seconds < STALL_TIMEOUT_S + 10, seconds  # not MLflow's 20 s busy timeout; room for load
     assert list(store.read_metrics()["train/step"]) == [0, 1, 2, 3, 4]
 
 
@@ -723,7 +723,7 @@ def test_the_writer_queue_is_bounded_and_never_blocks():
     assert worker.submit(ran.append, 1) and worker.submit(ran.append, 2)
     tic = time.perf_counter()
     assert not worker.submit(ran.append, 3)  # full: refused at once, not queued
-    assert time.perf_counter() - tic < 0.1
+    assert time.perf_counter() - tic < 1  # refused at once, not after blocking
     release.set()
     assert worker.wait(stall_s=5) and ran == [1, 2]
     worker.close()

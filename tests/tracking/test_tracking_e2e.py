@@ -116,7 +116,7 @@ def test_provenance_reaches_the_run_store_mlflow_and_wandb(tiny_overrides, tmp_p
 
     (offline,) = (run / "wandb").glob(f"offline-run-*-{stable_run_id(store.run_uuid())}")
     data = b""
-    for _ in range(100):  # W&B's service writes the file asynchronously after finish()
+    for _ in range(300):  # W&B's service writes the file asynchronously after finish()
         (path,) = offline.glob("*.wandb")
         if commit.encode() in (data := path.read_bytes()):
             break

@@ -545,10 +545,11 @@ def test_verl_and_native_give_the_same_process_rewards(tok, monkeypatch, prm_dir
     server.prm.score_batch = recorded
 
     def wait_for(condition):
-        for _ in range(500):
+        for _ in range(6000):
             if condition():
                 return
             time.sleep(0.01)
+        raise AssertionError("the second group was not queued within 60 s")
 
     async def both_groups():
         loop = asyncio.get_running_loop()
