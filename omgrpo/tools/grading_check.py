@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mv", action="store_true", help="also run the installed math-verify")
     parser.add_argument("--list", action="store_true", help="list every disagreement")
     args = parser.parse_args(argv)
+    if not Path(args.fixture).is_file():  # the default lives in a source checkout, not a wheel
+        parser.error(f"no fixture at {args.fixture}: pass --fixture PATH to a pairs.jsonl "
+                     "(tests/fixtures/math_verify/pairs.jsonl in a clone of omgrpo)")  # fmt: skip
     rows = load_pairs(args.fixture)
     verdicts = grade_pairs(rows)
     print(agreement_table(verdicts))

@@ -510,3 +510,15 @@ def test_docs_report_the_agreement_on_math_verify_suite() -> None:
     assert not [v for v in verdicts if v.kind == "false_positive"]
     docs = Path(__file__).resolve().parents[2] / "docs" / "grading.md"
     assert agreement_table(verdicts) in docs.read_text()
+
+
+def test_grading_check_names_a_missing_fixture(tmp_path, capsys) -> None:
+    """An installed wheel has no tests/ folder: the tool says where it looked and what to pass."""
+    from omgrpo.tools.grading_check import main
+
+    missing = tmp_path / "pairs.jsonl"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--fixture", str(missing)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(missing) in err and "--fixture" in err
