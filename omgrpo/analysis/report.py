@@ -265,11 +265,13 @@ def what_happened(df: pd.DataFrame) -> list[str]:
 
 def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
     """Base directory -> its stored acceptance checks (`checks.json`; None: never checked), for
-    the toy bases the runs started from."""
+    the toy bases the runs started from: in the model cache, else in the copy shipped with
+    omgrpo (so a fresh clone's report shows a shipped base's checks before its first run)."""
     from omegaconf import OmegaConf
 
     from omgrpo.config import Config
     from omgrpo.models.basecheck import read_base_checks
+    from omgrpo.models.bases import SHIPPED_DIR
     from omgrpo.models.toy import toy_base_key
 
     schema = OmegaConf.structured(Config)
@@ -282,10 +284,12 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
         cfg = OmegaConf.merge(schema, raw)
         if cfg.model.path or cfg.task.name != "toy":
             continue
-        base = Path(cfg.model.cache_dir) / f"toy-base-{toy_base_key(cfg.model, cfg.task)}"
+        name = f"toy-base-{toy_base_key(cfg.model, cfg.task)}"
+        base = Path(cfg.model.cache_dir) / name
         label = f"{cfg.run.experiment} (warm-start seed {cfg.model.warm_start.seed}): {base}"
         if label not in out:
-            out[label] = read_base_checks(base) if base.exists() else None
+            found = next((d for d in (base, SHIPPED_DIR / name) if d.exists()), None)
+            out[label] = read_base_checks(found) if found is not None else None
     return out
 
 

@@ -299,3 +299,32 @@ def test_several_gates_and_unknown_gates(tmp_path):
     prereg.write_text(block.format(gates="[C1, C3]"))
     with pytest.raises(ValueError, match=r"names no prediction: \['C3'\]"):
         read_preregistration(prereg)
+
+
+def test_a_shipped_bases_checks_are_found_without_the_cache(tmp_path):
+    """A fresh clone has no model cache yet: the report reads the checks of the copy shipped with
+    omgrpo (the shortcut world's base is shipped), and says "not on this machine" (None) only
+    for a base that is neither cached nor shipped."""
+    from omegaconf import OmegaConf
+
+    from omgrpo.analysis.report import base_checks
+    from omgrpo.config import compose
+    from omgrpo.models.basecheck import read_base_checks
+    from omgrpo.models.bases import SHIPPED_DIR
+    from omgrpo.models.toy import toy_base_key
+
+    def run_with(*overrides: str):
+        cfg = compose(["experiment=toy_shortcut", "method=mv", *overrides])
+        cfg.model.cache_dir = str(tmp_path / "empty-cache")
+        run = tmp_path / "runs" / f"run{len(list(tmp_path.glob('runs/*')))}"
+        run.mkdir(parents=True)
+        OmegaConf.save(cfg, run / "config.yaml")
+        return run, toy_base_key(cfg.model, cfg.task)
+
+    shipped_run, key = run_with()
+    assert (SHIPPED_DIR / f"toy-base-{key}" / "checks.json").exists()
+    other_run, other_key = run_with("model.warm_start.seed=99")  # a base nobody shipped
+    assert not (SHIPPED_DIR / f"toy-base-{other_key}").exists()
+    found = list(base_checks([shipped_run, other_run]).values())
+    assert found == [read_base_checks(SHIPPED_DIR / f"toy-base-{key}"), None]
+    assert found[0]["passed"] is True
