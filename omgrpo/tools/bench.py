@@ -24,7 +24,9 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
 
 `memory`: the memory planner against a measurement on the CPU: the three backbones with their
   real layer count and attention layout and every width divided by 16, one step at the paper's
-  lengths, the peak RSS of each stage against the plan (`omgrpo.tools.memory_bench`).
+  lengths, the peak RSS of each stage against the plan (`omgrpo.tools.memory_bench`). On a GPU
+  (`--device cuda --shrink 1`): the real models in bf16, CUDA's peak allocated memory per stage,
+  and rollout tokens/s.
 """
 
 from __future__ import annotations
@@ -384,6 +386,27 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="memory: new tokens the generation stage decodes (default: the response length)",
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="memory: measure RSS on the CPU (fp32) or CUDA's allocated memory on a GPU (bf16)",
+    )
+    parser.add_argument(
+        "--shrink",
+        type=int,
+        default=16,
+        help="memory: divide every width by this (1: the real model; default 16, for a CPU)",
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=2, help="memory: prompts generated (default 2)"
+    )
+    parser.add_argument(
+        "--rollouts", type=int, default=4, help="memory: rollouts per prompt (default 4)"
+    )
+    parser.add_argument(
+        "--micro", type=int, default=1, help="memory: rows per update micro-batch (default 1)"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     return parser
 
@@ -397,7 +420,15 @@ def _kwargs(ns) -> dict:
             "repeats": ns.repeats,
         }
     if ns.name == "memory":
-        return {"configs": ns.configs, "gen_tokens": ns.gen_tokens}
+        return {
+            "configs": ns.configs,
+            "gen_tokens": ns.gen_tokens,
+            "device": ns.device,
+            "shrink": ns.shrink,
+            "prompts": ns.prompts,
+            "n": ns.rollouts,
+            "micro": ns.micro,
+        }
     return {"variants": ns.variants}
 
 

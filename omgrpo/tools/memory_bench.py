@@ -23,6 +23,13 @@ transient is its peak (`VmHWM`) minus the RSS it started from. The resident stat
 after the warm-up minus the RSS before the models were built. RSS counts touched pages only,
 so an allocated but unwritten buffer is not counted (all written here: no row stops early).
 Linux only. The planned figures are `build_plan` for the same shrunk config and sizes.
+
+On a GPU (`--device cuda`, usually with `--shrink 1`: the real widths) the models are bf16, the
+plan's dtype there, built on the device, and each stage's transient is CUDA's peak allocated
+memory (`torch.cuda.max_memory_allocated`, reset before the stage) above what was allocated when
+it started; the resident state is what is allocated after the warm-up. The caching allocator's
+reserved peak is reported beside it (`measured_reserved_peak_gib`), since that is what a
+card's other users see. Generation's seconds give rollout tokens/s.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def plan_overrides(model_dir: Path, spec: dict) -> list[str]:
     return [
         "experiment=paper",
         f"model.path={model_dir}",
+        f"model.device={spec.get('device', 'cpu')}",
         f"trainer.prompts_per_step={spec['prompts']}",
         f"rollout.n={spec['n']}",
         f"rollout.max_prompt_len={spec['prompt_len']}",
@@ -92,11 +100,17 @@ def bench_memory(
     prompt_len: int = 512,
     new_tokens: int = 3072,
     gen_tokens: int | None = None,
+    device: str = "cpu",
 ) -> dict:
     """Planned vs measured peak memory per stage for each config (module docstring)."""
     if overrides:
         raise ValueError("bench memory takes no config overrides (its sizes are its options)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"bench memory: --device must be cpu or cuda, not {device!r}")
+    if device == "cuda" and not _cuda_available():
+        raise RuntimeError("bench memory --device cuda: torch sees no CUDA device here")
     spec = {
+        "device": device,
         "shrink": shrink,
         "prompts": prompts,
         "n": n,
@@ -115,10 +129,16 @@ def bench_memory(
         if partial is not None:
             partial.write_text(json.dumps({"partial": True, "configs": results}, indent=2))
     ratios = [r["peak_ratio_max_dev"] for r in results.values()]
+    method = (
+        "CUDA peak allocated memory per stage (torch.cuda.max_memory_allocated), fresh "
+        "process per config; bf16 on the GPU"
+        if device == "cuda"
+        else "RSS high-water mark per stage (Linux /proc), fresh process per config, "
+        f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; fp32 on the CPU"
+    )
     return {
         "benchmark": "memory",
-        "method": "RSS high-water mark per stage (Linux /proc), fresh process per config, "
-        f"MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; fp32 on the CPU",
+        "method": method,
         "sizes": spec,
         "shortened": _shortened(spec),
         "configs": results,
@@ -133,6 +153,12 @@ def bench_memory(
         "target": f"measured peak within {TARGET:.0%} of planned, every stage",
         "meets_target": all(r <= TARGET for r in ratios),
     }
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _shortened(spec: dict) -> str | None:
@@ -165,7 +191,10 @@ def _run_worker(source: Path, spec: dict) -> dict:
             check=False,
         )
         if done.returncode != 0:
-            raise RuntimeError(f"bench memory: the worker for {source} failed ({done.returncode})")
+            raise RuntimeError(
+                f"bench memory: the worker for {source} failed ({done.returncode}); "
+                "its error is printed above"
+            )
         result = json.loads(done.stdout.strip().splitlines()[-1])
     result["source"] = str(source)
     result["shrunk_config"] = {
@@ -210,6 +239,32 @@ class PeakRSS:
         self.transient = max(0, _status_kib("VmHWM") * 1024 - self.start)
 
 
+class PeakCuda:
+    """CUDA's peak allocated memory in a block above what was allocated at its start, in bytes
+    (`transient`), and the caching allocator's reserved peak (`reserved`)."""
+
+    def __enter__(self) -> PeakCuda:
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = torch.cuda.memory_allocated()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+        self.transient = max(0, torch.cuda.max_memory_allocated() - self.start)
+        self.reserved = torch.cuda.max_memory_reserved()
+
+
 def _measure(spec: dict) -> dict:
     import gc
 
@@ -221,14 +276,27 @@ def _measure(spec: dict) -> dict:
     from omgrpo.generation.rollout import Sequences, response_logprobs, sample
 
     cfg = compose(plan_overrides(Path(spec["model_dir"]), spec))
-    torch.set_num_threads(1)  # a shared CPU: threads only contend (memory is the same)
+    device = torch.device(spec.get("device", "cpu"))
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # resolve_dtype's choice per device
+    Peak = PeakCuda if cuda else PeakRSS
+    if not cuda:
+        torch.set_num_threads(1)  # a shared CPU: threads only contend (memory is the same)
     config = AutoConfig.from_pretrained(spec["model_dir"])
     vocab = config.vocab_size
 
+    def allocated() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            return torch.cuda.memory_allocated()
+        return _status_kib("VmRSS") * 1024
+
     def build():
-        policy = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with device:  # built on the device: a 7B model's random init on the CPU takes minutes
+            policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            ref = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
         policy.gradient_checkpointing_enable()
-        ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
         return policy, ref.requires_grad_(False), optimizer
 
@@ -246,15 +314,16 @@ def _measure(spec: dict) -> dict:
     warm_up()
     del policy, ref, optimizer
     gc.collect()
-    base = _status_kib("VmRSS") * 1024
+    base = allocated()
     torch.manual_seed(0)
     policy, ref, optimizer = build()
     warm_up()
-    resident = _status_kib("VmRSS") * 1024 - base
+    gc.collect()
+    resident = allocated() - base
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (spec["prompts"], spec["prompt_len"]), generator=g)
     stages = {}
-    with PeakRSS() as gen:
+    with Peak() as gen:
         generated = sample(
             policy.eval(),
             prompts.tolist(),
@@ -271,20 +340,27 @@ def _measure(spec: dict) -> dict:
     seqs = Sequences(
         generated.prompt_ids, generated.prompt_mask, response, torch.ones_like(response)
     )
-    with PeakRSS() as scoring:
+    with Peak() as scoring:
         ref_logprobs = response_logprobs(ref, seqs, spec["micro"])["logprobs"]
     stages["scoring"] = scoring
     part = seqs.select(slice(0, spec["micro"]))
-    with PeakRSS() as upd:
+    with Peak() as upd:
         update(part, ref_logprobs[: spec["micro"]])
     stages["update"] = upd
     policy.gradient_checkpointing_disable()
-    with PeakRSS() as plain:
+    with Peak() as plain:
         update(part, ref_logprobs[: spec["micro"]])
     stages["update_no_checkpointing"] = plain
     return {
         "resident": resident,
-        "stages": {k: {"transient": v.transient, "seconds": v.seconds} for k, v in stages.items()},
+        "stages": {
+            k: {
+                "transient": v.transient,
+                "seconds": v.seconds,
+                "reserved": getattr(v, "reserved", None),
+            }
+            for k, v in stages.items()
+        },
     }
 
 
@@ -323,7 +399,7 @@ def compare(spec: dict, measured: dict) -> dict:
 
     cfg = compose(plan_overrides(Path(spec["model_dir"]), spec))
     shape = model_shape(spec["model_dir"])
-    sizes = sizes_from_config(cfg, "cpu")
+    sizes = sizes_from_config(cfg, spec.get("device", "cpu"))
     planned = stage_transients(shape, sizes)
     generation = stage_transients(shape, dataclasses.replace(sizes, new_tokens=spec["gen_tokens"]))
     plain = stage_transients(shape, dataclasses.replace(sizes, checkpointing=False))
@@ -336,7 +412,7 @@ def compare(spec: dict, measured: dict) -> dict:
         "update_no_checkpointing": plain_update,
     }
     plan_resident = sum(resident_bytes(shape, sizes).values())
-    out = {}
+    out: dict = {}
     for stage, got in measured["stages"].items():
         plan_peak = plan_resident + plan_transient[stage]
         got_peak = measured["resident"] + got["transient"]
@@ -349,6 +425,12 @@ def compare(spec: dict, measured: dict) -> dict:
             "peak_ratio": round(got_peak / plan_peak, 3),
             "seconds": round(got["seconds"], 1),
         }
+        if got.get("reserved") is not None:
+            out[stage]["measured_reserved_peak_gib"] = round(got["reserved"] / GIB, 4)
+    generated = sizes.rows * spec["gen_tokens"]
+    out["generation"]["rollout_tokens_per_s"] = round(
+        generated / max(measured["stages"]["generation"]["seconds"], 1e-9), 1
+    )
     return {
         "parameters": shape.params,
         "dtype": sizes.dtype,
