@@ -20,7 +20,7 @@ check() {  # NAME SECONDS bench-memory-args...
     echo "== $name (at most $limit s)"
     local t0=$SECONDS
     timeout "$limit" $py -m omgrpo bench memory --device cuda --shrink 1 --json \
-        --out "$out/$name.json" "$@" > "$out/$name.stdout" 2> "$out/$name.log"
+        --out "$out/$name.json" "$@" > /dev/null 2> "$out/$name.log"
     echo "$name: exit $? after $(( SECONDS - t0 )) s"
     tail -n 4 "$out/$name.log"
 }

@@ -49,3 +49,74 @@ def test_bench_memory_json_shape(tmp_path):
     assert "car" in result["not_measured"]  # the paper preset has CAR; the benchmark skips it
     assert isinstance(result["meets_target"], bool)
     assert json.loads(out.read_text())["partial"] is True
+
+
+def test_bench_memory_refuses_cuda_without_a_gpu(monkeypatch):
+    import omgrpo.tools.memory_bench as memory_bench
+
+    monkeypatch.setattr(memory_bench, "_cuda_available", lambda: False)
+    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+        bench_memory(device="cuda")
+    with pytest.raises(ValueError, match="must be cpu or cuda"):
+        bench_memory(device="mps")
+
+
+def test_bench_memory_cli_options_reach_the_benchmark():
+    from omgrpo.tools.bench import _kwargs, _parser
+
+    ns = _parser().parse_intermixed_args(
+        [
+            "memory",
+            "--device",
+            "cuda",
+            "--shrink",
+            "1",
+            "--prompts",
+            "20",
+            "--rollouts",
+            "8",
+            "--micro",
+            "4",
+            "--gen-tokens",
+            "64",
+        ]
+    )
+    assert _kwargs(ns) == {
+        "configs": None,
+        "gen_tokens": 64,
+        "device": "cuda",
+        "shrink": 1,
+        "prompts": 20,
+        "n": 8,
+        "micro": 4,
+    }
+    defaults = _kwargs(_parser().parse_intermixed_args(["memory"]))
+    assert (defaults["device"], defaults["shrink"], defaults["prompts"]) == ("cpu", 16, 2)
+
+
+def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
+    # the figures compared on a GPU are the plan for bf16 (resolve_dtype's choice on CUDA)
+    from omgrpo.tools.memory_bench import compare
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        (CONFIGS / "qwen3-1.7b-base" / "config.json").read_text()
+    )
+    spec = {
+        "model_dir": str(model_dir),
+        "device": "cuda",
+        "prompts": 2,
+        "n": 4,
+        "micro": 1,
+        "prompt_len": 512,
+        "new_tokens": 3072,
+        "gen_tokens": 1024,
+    }
+    measured = {
+        "resident": 16 * 2**30,
+        "stages": {s: {"transient": 2**30, "seconds": 2.0} for s in STAGES},
+    }
+    out = compare(spec, measured)
+    assert out["dtype"] == "bfloat16" and out["rows_generated"] == 8
+    assert out["stages"]["generation"]["rollout_tokens_per_s"] == 8 * 1024 / 2.0
