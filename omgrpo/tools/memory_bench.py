@@ -269,7 +269,7 @@ def _measure(spec: dict) -> dict:
     import gc
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from omgrpo.backends.native.trainer import ppo_update
     from omgrpo.config import compose
@@ -285,21 +285,6 @@ def _measure(spec: dict) -> dict:
     config = AutoConfig.from_pretrained(spec["model_dir"])
     vocab = config.vocab_size
 
-    def allocated() -> int:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            return torch.cuda.memory_allocated()
-        return _status_kib("VmRSS") * 1024
-
-    def build():
-        with device:  # built on the device: a 7B model's random init on the CPU takes minutes
-            policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            ref = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-        policy.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-        return policy, ref.requires_grad_(False), optimizer
-
     def update(seqs, ref_logprobs) -> None:
         policy.train()
         ppo_update(policy, optimizer, seqs, None, ref_logprobs, _batch(seqs), cfg.algorithm, 1.0)
@@ -310,16 +295,16 @@ def _measure(spec: dict) -> dict:
 
     # a throwaway round first: the modeling code, kernels and thread pools load outside the
     # baseline, so the resident figure is the models' and optimizer's memory
-    policy, ref, optimizer = build()
+    policy, ref, optimizer = _build(config, device, dtype)
     warm_up()
     del policy, ref, optimizer
     gc.collect()
-    base = allocated()
+    base = _allocated(cuda)
     torch.manual_seed(0)
-    policy, ref, optimizer = build()
+    policy, ref, optimizer = _build(config, device, dtype)
     warm_up()
     gc.collect()
-    resident = allocated() - base
+    resident = _allocated(cuda) - base
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (spec["prompts"], spec["prompt_len"]), generator=g)
     stages = {}
@@ -351,16 +336,41 @@ def _measure(spec: dict) -> dict:
     with Peak() as plain:
         update(part, ref_logprobs[: spec["micro"]])
     stages["update_no_checkpointing"] = plain
+    return {"resident": resident, "stages": _stage_figures(stages)}
+
+
+def _allocated(cuda: bool) -> int:
+    """Bytes in use now: CUDA's allocated memory, or the process's RSS on the CPU."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+    return _status_kib("VmRSS") * 1024
+
+
+def _build(config, device, dtype) -> tuple:
+    """The policy (checkpointing on), the frozen reference and AdamW, on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with device:  # built on the device: a 7B model's random init on the CPU takes minutes
+        policy = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        ref = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    policy.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    return policy, ref.requires_grad_(False), optimizer
+
+
+def _stage_figures(stages: dict) -> dict:
     return {
-        "resident": resident,
-        "stages": {
-            k: {
-                "transient": v.transient,
-                "seconds": v.seconds,
-                "reserved": getattr(v, "reserved", None),
-            }
-            for k, v in stages.items()
-        },
+        k: {
+            "transient": v.transient,
+            "seconds": v.seconds,
+            "reserved": getattr(v, "reserved", None),
+        }
+        for k, v in stages.items()
     }
 
 
