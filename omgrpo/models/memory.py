@@ -538,8 +538,9 @@ def _notes(s: Sizes, chunk: int) -> list[str]:
     return [
         f"generation in chunks: {chunk} of the step's {s.rows} rows at once, sized by {sized}; "
         "the samples do not depend on the chunks",
-        "planned: `omgrpo bench memory` checks these figures on the CPU (widths / 16) and on a "
-        "GPU (real widths, bf16; docs/memory.md): measured peaks 0.83-1.01 of the plan",
+        "planned: `omgrpo bench memory` checks the three backbones' generation, scoring and "
+        "update against a measurement, on the CPU (widths / 16) and on a GPU (real widths, "
+        "bf16; docs/memory.md)",
     ]
 
 

@@ -9,8 +9,9 @@ every prompt and response at its longest, as the plan assumes) one step runs thr
 trainer's own code, on random weights in fp32 (the plan's dtype on the CPU):
 
 - warm-up: one tiny update, so gradients and AdamW's state exist (the plan's steady state);
-- generation: `rollout.sample` of all prompts x rollout.n rows at once (one generation
-  chunk), no row stopping early;
+- generation: `rollout.sample` of all prompts x rollout.n rows, no row stopping early, in
+  the chunks the free memory allows as in training (`generation_chunk_rows` in the JSON: all
+  rows where they fit); the plan is the generation of one such chunk;
 - scoring: `rollout.response_logprobs` of the reference model over the rows, in micro-batches;
 - update: the trainer's `ppo_update` on one micro-batch (forward, backward, clipping, the
   AdamW step), with gradient checkpointing as the paper preset sets it, then again without.
@@ -274,11 +275,12 @@ def _measure(spec: dict) -> dict:
     from omgrpo.backends.native.trainer import ppo_update
     from omgrpo.config import compose
     from omgrpo.generation.rollout import Sequences, response_logprobs, sample
+    from omgrpo.models.loading import resolve_dtype
 
     cfg = compose(plan_overrides(Path(spec["model_dir"]), spec))
     device = torch.device(spec.get("device", "cpu"))
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32  # resolve_dtype's choice per device
+    dtype = resolve_dtype(cfg.model.dtype, device)  # the dtype the plan assumes
     Peak = PeakCuda if cuda else PeakRSS
     if not cuda:
         torch.set_num_threads(1)  # a shared CPU: threads only contend (memory is the same)
@@ -308,15 +310,7 @@ def _measure(spec: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, vocab, (spec["prompts"], spec["prompt_len"]), generator=g)
     stages = {}
-    with Peak() as gen:
-        generated = sample(
-            policy.eval(),
-            prompts.tolist(),
-            n=spec["n"],
-            max_new_tokens=spec["gen_tokens"],
-            **_sampling(cfg.rollout.top_p),
-        )
-    stages["generation"] = gen
+    generated, chunk, stages["generation"] = _generate(policy.eval(), prompts, spec, cfg, Peak)
     assert generated.response_mask.all(), "every row should run to max_new_tokens"
     # scoring and update at the full response length: random response tokens (memory does
     # not depend on their values), the generated rows' prompts
@@ -336,7 +330,35 @@ def _measure(spec: dict) -> dict:
     with Peak() as plain:
         update(part, ref_logprobs[: spec["micro"]])
     stages["update_no_checkpointing"] = plain
-    return {"resident": resident, "stages": _stage_figures(stages)}
+    return {"resident": resident, "generation_chunk_rows": chunk, "stages": _stage_figures(stages)}
+
+
+def _generate(policy, prompts, spec: dict, cfg, Peak) -> tuple:
+    """The generation stage: (the rows, the rows decoded at once, its measurement)."""
+    from omgrpo.generation.budget import model_chunk_rows
+    from omgrpo.generation.rollout import sample
+
+    # the rows decoded at once, sized from the memory free now as in training: on a card
+    # smaller than the plan assumed it can be fewer than all, and the plan then compares with
+    # that chunk
+    chunk = model_chunk_rows(
+        policy,
+        rows=spec["prompts"] * spec["n"],
+        group=spec["n"],
+        prompt_len=spec["prompt_len"],
+        new_tokens=spec["gen_tokens"],
+        top_p=cfg.rollout.top_p,
+    )
+    with Peak() as gen:
+        generated = sample(
+            policy,
+            prompts.tolist(),
+            n=spec["n"],
+            max_new_tokens=spec["gen_tokens"],
+            batch_size=chunk,
+            **_sampling(cfg.rollout.top_p),
+        )
+    return generated, chunk, gen
 
 
 def _allocated(cuda: bool) -> int:
@@ -397,8 +419,10 @@ def _batch(seqs) -> SimpleNamespace:
 def compare(spec: dict, measured: dict) -> dict:
     """Planned vs measured per stage: the peak is the resident state plus the transient."""
     import dataclasses
+    import math
 
     from omgrpo.config import compose
+    from omgrpo.generation.budget import generation_bytes
     from omgrpo.models.memory import (
         GIB,
         model_shape,
@@ -411,12 +435,21 @@ def compare(spec: dict, measured: dict) -> dict:
     shape = model_shape(spec["model_dir"])
     sizes = sizes_from_config(cfg, spec.get("device", "cpu"))
     planned = stage_transients(shape, sizes)
-    generation = stage_transients(shape, dataclasses.replace(sizes, new_tokens=spec["gen_tokens"]))
+    chunk = measured.get("generation_chunk_rows") or sizes.rows  # the rows decoded at once
+    plan_generation = generation_bytes(
+        shape,
+        sizes.dtype_bytes,
+        prompts=math.ceil(chunk / sizes.n),
+        rows=chunk,
+        prompt_len=sizes.prompt_len,
+        new_tokens=spec["gen_tokens"],
+        top_p=sizes.top_p,
+    )
     plain = stage_transients(shape, dataclasses.replace(sizes, checkpointing=False))
     planned_update = max(planned["update"][1], planned["optimizer_step"][1])
     plain_update = max(plain["update"][1], plain["optimizer_step"][1])
     plan_transient = {
-        "generation": generation["generation"][1],
+        "generation": plan_generation,
         "scoring": planned["scoring"][1],
         "update": planned_update,
         "update_no_checkpointing": plain_update,
@@ -445,6 +478,7 @@ def compare(spec: dict, measured: dict) -> dict:
         "parameters": shape.params,
         "dtype": sizes.dtype,
         "rows_generated": sizes.rows,
+        "generation_chunk_rows": chunk,
         "update_rows": sizes.micro,
         "planned_resident_gib": round(plan_resident / GIB, 4),
         "measured_resident_gib": round(measured["resident"] / GIB, 4),

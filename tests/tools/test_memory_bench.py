@@ -40,6 +40,7 @@ def test_bench_memory_json_shape(tmp_path):
     config = result["configs"]["qwen3-2-layers"]
     assert config["shrunk_config"]["num_hidden_layers"] == 2
     assert config["rows_generated"] == 2 and config["update_rows"] == 1
+    assert config["generation_chunk_rows"] == 2  # a CPU's RAM holds both rows
     assert set(config["stages"]) == STAGES
     for stage in config["stages"].values():
         assert stage["planned_peak_gib"] > 0 and stage["measured_peak_gib"] > 0
@@ -119,4 +120,11 @@ def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
     }
     out = compare(spec, measured)
     assert out["dtype"] == "bfloat16" and out["rows_generated"] == 8
+    assert out["generation_chunk_rows"] == 8  # not recorded: all rows at once
     assert out["stages"]["generation"]["rollout_tokens_per_s"] == 8 * 1024 / 2.0
+    # a card with less free memory decodes fewer rows at once: the plan is that chunk's
+    halved = compare(spec, {**measured, "generation_chunk_rows": 4})
+    assert halved["generation_chunk_rows"] == 4
+    whole = out["stages"]["generation"]["planned_transient_gib"]
+    assert 0 < halved["stages"]["generation"]["planned_transient_gib"] < whole
+    assert halved["stages"]["scoring"] == out["stages"]["scoring"]
