@@ -224,7 +224,7 @@ def generation_kv_bytes(shape: ModelShape, s: Sizes, prompts: int, rows: int, ne
     return kv_cache_bytes(shape, s.dtype_bytes, tokens)
 
 
-def _generation_bytes(shape: ModelShape, s: Sizes, rows: int, group: int, top_p: float) -> int:
+def chunk_generation_bytes(shape: ModelShape, s: Sizes, rows: int, group: int, top_p: float) -> int:
     """A chunk of `rows` rollout or validation rows, `group` per prompt."""
     return generation_bytes(
         shape,
@@ -325,7 +325,7 @@ def stage_transients(
     CAR and validation in chunks of at most `budget` transient bytes (None: unbounded) or
     rollout.max_batch_tokens K/V tokens."""
     rows = _chunk(shape, s, "generation", budget)
-    out = {"generation": (rows, _generation_bytes(shape, s, rows, s.n, s.top_p))}
+    out = {"generation": (rows, chunk_generation_bytes(shape, s, rows, s.n, s.top_p))}
     if s.car_rows:
         car = _chunk(shape, s, "car", budget)
         out["car"] = (car, _car_bytes(shape, s, car))
@@ -335,7 +335,7 @@ def stage_transients(
     out["optimizer_step"] = (0, shape.params * s.dtype_bytes)
     if s.eval_rows:
         val = _chunk(shape, s, "validation", budget)
-        out["validation"] = (val, _generation_bytes(shape, s, val, s.eval_k, s.eval_top_p))
+        out["validation"] = (val, chunk_generation_bytes(shape, s, val, s.eval_k, s.eval_top_p))
     return out
 
 

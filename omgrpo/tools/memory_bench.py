@@ -78,7 +78,7 @@ def plan_overrides(model_dir: Path, spec: dict) -> list[str]:
     return [
         "experiment=paper",
         f"model.path={model_dir}",
-        f"model.device={spec.get('device', 'cpu')}",
+        f"model.device={spec['device']}",
         f"trainer.prompts_per_step={spec['prompts']}",
         f"rollout.n={spec['n']}",
         f"rollout.max_prompt_len={spec['prompt_len']}",
@@ -278,7 +278,7 @@ def _measure(spec: dict) -> dict:
     from omgrpo.models.loading import resolve_dtype
 
     cfg = compose(plan_overrides(Path(spec["model_dir"]), spec))
-    device = torch.device(spec.get("device", "cpu"))
+    device = torch.device(spec["device"])
     cuda = device.type == "cuda"
     dtype = resolve_dtype(cfg.model.dtype, device)  # the dtype the plan assumes
     Peak = PeakCuda if cuda else PeakRSS
@@ -419,12 +419,11 @@ def _batch(seqs) -> SimpleNamespace:
 def compare(spec: dict, measured: dict) -> dict:
     """Planned vs measured per stage: the peak is the resident state plus the transient."""
     import dataclasses
-    import math
 
     from omgrpo.config import compose
-    from omgrpo.generation.budget import generation_bytes
     from omgrpo.models.memory import (
         GIB,
+        chunk_generation_bytes,
         model_shape,
         resident_bytes,
         sizes_from_config,
@@ -433,18 +432,11 @@ def compare(spec: dict, measured: dict) -> dict:
 
     cfg = compose(plan_overrides(Path(spec["model_dir"]), spec))
     shape = model_shape(spec["model_dir"])
-    sizes = sizes_from_config(cfg, spec.get("device", "cpu"))
+    sizes = sizes_from_config(cfg, spec["device"])
     planned = stage_transients(shape, sizes)
     chunk = measured.get("generation_chunk_rows") or sizes.rows  # the rows decoded at once
-    plan_generation = generation_bytes(
-        shape,
-        sizes.dtype_bytes,
-        prompts=math.ceil(chunk / sizes.n),
-        rows=chunk,
-        prompt_len=sizes.prompt_len,
-        new_tokens=spec["gen_tokens"],
-        top_p=sizes.top_p,
-    )
+    decoded = dataclasses.replace(sizes, new_tokens=spec["gen_tokens"])
+    plan_generation = chunk_generation_bytes(shape, decoded, chunk, sizes.n, sizes.top_p)
     plain = stage_transients(shape, dataclasses.replace(sizes, checkpointing=False))
     planned_update = max(planned["update"][1], planned["optimizer_step"][1])
     plain_update = max(plain["update"][1], plain["optimizer_step"][1])
