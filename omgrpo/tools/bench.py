@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 from omgrpo.config import compose
+from omgrpo.tracking.provenance import collect_provenance
 from omgrpo.tracking.store import RunStore
 
 CAR_VARIANTS = {
@@ -445,6 +446,8 @@ def main(argv: list[str]) -> int:
         result = BENCHMARKS[ns.name](
             steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs
         )
+    # which commit, torch build, devices and package versions produced these figures
+    result["provenance"] = collect_provenance()
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)

@@ -86,3 +86,19 @@ def test_bench_step_repeats_interleave_the_sides_and_report_median_ratios(monkey
     assert json.loads(partial.read_text())["partial"] is True
     with pytest.raises(ValueError, match="--repeats"):
         bench.bench_step(repeats=0)
+
+
+def test_every_benchmark_result_records_its_provenance(monkeypatch, capsys, tmp_path):
+    """A figure without the commit, torch build and device it came from cannot be compared with
+    another: the JSON (stdout and --out) carries the same record a training run logs."""
+    import torch
+
+    monkeypatch.setitem(bench.BENCHMARKS, "car", lambda **kwargs: {"benchmark": "car"})
+    out = tmp_path / "car.json"
+    assert main(["car", "--json", "--out", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result == json.loads(out.read_text())
+    record = result["provenance"]
+    assert record["versions"]["torch"] == torch.__version__
+    assert record["versions"]["omgrpo"] and record["device_type"] in ("cpu", "cuda")
+    assert record["torch_build"] and "git_commit" in record and record["hostname"]
