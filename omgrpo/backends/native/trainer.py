@@ -580,9 +580,7 @@ def ppo_update(
     """PPO epochs over mini-batches; micro-batches accumulate gradients with the mini-batch's
     token count as the denominator. A non-finite loss or gradient skips the whole step."""
     B = len(seqs)
-    advantages, answer_mask = batch.advantages, batch.responses.answer_mask
     roles = batch.responses.role_masks()
-    format_adv = batch.format_advantages
     mini = algo.mini_batch_size or B
     micro = algo.micro_batch_size or mini
     device = next(policy.parameters()).device
@@ -595,33 +593,23 @@ def ppo_update(
             optimizer.zero_grad(set_to_none=True)
             for u0 in range(0, len(mb), micro):
                 idx = mb[u0 : u0 + micro]
-                part = seqs.select(idx).to(device)
-                logits = response_logits(policy, part)
-                logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
-                loss, metrics = grpo_loss(
-                    logprobs,
-                    logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
-                    None if ref_logprobs is None else ref_logprobs[idx].to(device),
-                    advantages[idx].to(device),
-                    part.response_mask,
-                    answer_mask[idx].to(device),
-                    answer_weight=algo.answer_weight,
-                    answer_kl_weight=algo.answer_kl_weight,
-                    format_advantages=None if format_adv is None else format_adv[idx].to(device),
-                    clip=algo.clip,
-                    kl_coef=algo.kl_coef,
-                    agg=algo.agg,
-                    num_tokens=num_tokens,
-                    entropy=entropy.detach(),
-                    roles={k: v[idx].to(device) for k, v in roles.items()},
-                )
                 # token-mean micro-batch losses are already partial sums of the mini-batch's
                 scale = 1.0 if algo.agg == "token-mean" else len(idx) / len(mb)
-                loss = loss * scale
-                if not torch.isfinite(loss):
+                metrics = _micro_batch_backward(
+                    policy,
+                    seqs.select(idx).to(device),
+                    idx,
+                    old_logprobs,
+                    ref_logprobs,
+                    batch,
+                    roles,
+                    algo,
+                    num_tokens,
+                    scale,
+                )
+                if metrics is None:  # a non-finite loss
                     optimizer.zero_grad(set_to_none=True)
                     return {"skipped": True}
-                loss.backward()
                 combined.add_micro_batch(metrics, scale)
             norm = torch.nn.utils.clip_grad_norm_(
                 policy.parameters(), grad_clip if grad_clip > 0 else float("inf")
@@ -632,6 +620,50 @@ def ppo_update(
             combined.end_mini_batch(float(norm))
             optimizer.step()
     return {**combined.result(), "skipped": False}
+
+
+def _micro_batch_backward(
+    policy,
+    part: Sequences,
+    idx,
+    old_logprobs,
+    ref_logprobs,
+    batch: StepBatch,
+    roles: dict,
+    algo,
+    num_tokens,
+    scale: float,
+) -> dict[str, float] | None:
+    """One micro-batch's loss (times `scale`) back-propagated; its metrics, or None when the
+    loss is not finite (nothing is back-propagated then). A function so that its logits
+    (m x T x V) are freed on return, before the next micro-batch's forward and the optimizer
+    step: held in `ppo_update`'s loop they added m*T*V*b bytes to both peaks."""
+    device = num_tokens.device
+    logits = response_logits(policy, part)
+    logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
+    format_adv = batch.format_advantages
+    loss, metrics = grpo_loss(
+        logprobs,
+        logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
+        None if ref_logprobs is None else ref_logprobs[idx].to(device),
+        batch.advantages[idx].to(device),
+        part.response_mask,
+        batch.responses.answer_mask[idx].to(device),
+        answer_weight=algo.answer_weight,
+        answer_kl_weight=algo.answer_kl_weight,
+        format_advantages=None if format_adv is None else format_adv[idx].to(device),
+        clip=algo.clip,
+        kl_coef=algo.kl_coef,
+        agg=algo.agg,
+        num_tokens=num_tokens,
+        entropy=entropy.detach(),
+        roles={k: v[idx].to(device) for k, v in roles.items()},
+    )
+    loss = loss * scale
+    if not torch.isfinite(loss):
+        return None
+    loss.backward()
+    return metrics
 
 
 class UpdateMetrics:
