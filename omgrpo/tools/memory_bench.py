@@ -13,8 +13,10 @@ trainer's own code, on random weights in fp32 (the plan's dtype on the CPU):
   the chunks the free memory allows as in training (`generation_chunk_rows` in the JSON: all
   rows where they fit); the plan is the generation of one such chunk;
 - scoring: `rollout.response_logprobs` of the reference model over the rows, in micro-batches;
-- update: the trainer's `ppo_update` on one micro-batch (forward, backward, clipping, the
-  AdamW step), with gradient checkpointing as the paper preset sets it, then again without.
+- update: the trainer's `ppo_update` on two micro-batches, as in training, where the second
+  runs beside what the first leaves (its gradients) and accumulates into them (forward,
+  backward, clipping, the AdamW step; `update_rows` in the JSON), with gradient checkpointing
+  as the paper preset sets it, then again without.
 
 Measurement: each config runs in a fresh process with glibc's mmap threshold fixed at 16 KiB
 (MALLOC_MMAP_THRESHOLD_), so every tensor buffer larger than that is its own mapping, returned
@@ -322,15 +324,23 @@ def _measure(spec: dict) -> dict:
     with Peak() as scoring:
         ref_logprobs = response_logprobs(ref, seqs, spec["micro"])["logprobs"]
     stages["scoring"] = scoring
-    part = seqs.select(slice(0, spec["micro"]))
+    # two micro-batches, as in training: the second runs beside the first's gradients and
+    # accumulates into them (one micro-batch alone would miss what the first leaves alive)
+    used = min(rows, 2 * spec["micro"])
+    part = seqs.select(slice(0, used))
     with Peak() as upd:
-        update(part, ref_logprobs[: spec["micro"]])
+        update(part, ref_logprobs[:used])
     stages["update"] = upd
     policy.gradient_checkpointing_disable()
     with Peak() as plain:
-        update(part, ref_logprobs[: spec["micro"]])
+        update(part, ref_logprobs[:used])
     stages["update_no_checkpointing"] = plain
-    return {"resident": resident, "generation_chunk_rows": chunk, "stages": _stage_figures(stages)}
+    return {
+        "resident": resident,
+        "generation_chunk_rows": chunk,
+        "update_rows": used,
+        "stages": _stage_figures(stages),
+    }
 
 
 def _generate(policy, prompts, spec: dict, cfg, Peak) -> tuple:
@@ -471,7 +481,8 @@ def compare(spec: dict, measured: dict) -> dict:
         "dtype": sizes.dtype,
         "rows_generated": sizes.rows,
         "generation_chunk_rows": chunk,
-        "update_rows": sizes.micro,
+        "update_rows": measured["update_rows"],
+        "update_micro_batch_rows": sizes.micro,
         "planned_resident_gib": round(plan_resident / GIB, 4),
         "measured_resident_gib": round(measured["resident"] / GIB, 4),
         "stages": out,

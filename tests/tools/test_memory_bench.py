@@ -39,7 +39,8 @@ def test_bench_memory_json_shape(tmp_path):
     assert result["benchmark"] == "memory" and "decodes 4 new tokens" in result["shortened"]
     config = result["configs"]["qwen3-2-layers"]
     assert config["shrunk_config"]["num_hidden_layers"] == 2
-    assert config["rows_generated"] == 2 and config["update_rows"] == 1
+    assert config["rows_generated"] == 2 and config["update_micro_batch_rows"] == 1
+    assert config["update_rows"] == 2  # two micro-batches: the second beside the first's grads
     assert config["generation_chunk_rows"] == 2  # a CPU's RAM holds both rows
     assert set(config["stages"]) == STAGES
     for stage in config["stages"].values():
@@ -116,6 +117,7 @@ def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
     }
     measured = {
         "resident": 16 * 2**30,
+        "update_rows": 2,
         "stages": {s: {"transient": 2**30, "seconds": 2.0} for s in STAGES},
     }
     out = compare(spec, measured)
