@@ -442,12 +442,14 @@ def main(argv: list[str]) -> int:
             "verl 0.9.1: run `make bench-env`, then `.venv-trl/bin/omgrpo bench step --vs-trl ...`"
         )
     kwargs = _kwargs(ns)
+    # which commit, torch build, devices and package versions produce these figures (taken
+    # first: the tree may change during a long run)
+    provenance = collect_provenance()
     with contextlib.redirect_stdout(sys.stderr):  # training's console; stdout is the result
         result = BENCHMARKS[ns.name](
             steps=ns.steps, overrides=ns.overrides, partial=ns.out, **kwargs
         )
-    # which commit, torch build, devices and package versions produced these figures
-    result["provenance"] = collect_provenance()
+    result["provenance"] = provenance
     text = json.dumps(result, indent=2)
     if ns.out:
         ns.out.write_text(text)

@@ -13,10 +13,11 @@ trainer's own code, on random weights in fp32 (the plan's dtype on the CPU):
   the chunks the free memory allows as in training (`generation_chunk_rows` in the JSON: all
   rows where they fit); the plan is the generation of one such chunk;
 - scoring: `rollout.response_logprobs` of the reference model over the rows, in micro-batches;
-- update: the trainer's `ppo_update` on two micro-batches, as in training, where the second
-  runs beside what the first leaves (its gradients) and accumulates into them (forward,
-  backward, clipping, the AdamW step; `update_rows` in the JSON), with gradient checkpointing
-  as the paper preset sets it, then again without.
+- update: the trainer's `ppo_update` on two micro-batches (fewer if there are fewer rows), as
+  in training, where the second runs beside what the first leaves (its gradients) and
+  accumulates into them (forward, backward, clipping, the AdamW step; `update_rows` and
+  `update_micro_batch_rows` in the JSON), with gradient checkpointing as the paper preset
+  sets it, then again without.
 
 Measurement: each config runs in a fresh process with glibc's mmap threshold fixed at 16 KiB
 (MALLOC_MMAP_THRESHOLD_), so every tensor buffer larger than that is its own mapping, returned
@@ -32,7 +33,10 @@ plan's dtype there, built on the device, and each stage's transient is CUDA's pe
 memory (`torch.cuda.max_memory_allocated`, reset before the stage) above what was allocated when
 it started; the resident state is what is allocated after the warm-up. The caching allocator's
 reserved peak is reported beside it (`measured_reserved_peak_gib`), since that is what a
-card's other users see. Generation's seconds give rollout tokens/s.
+card's other users see. Generation's seconds give rollout tokens/s. A stage that runs out of
+CUDA memory is a result, not a crash: it is marked `out_of_memory` (its figures are where it
+failed, with no ratio; the config's `out_of_memory` lists such stages) and the later stages
+still run.
 """
 
 from __future__ import annotations
@@ -259,13 +263,19 @@ class PeakCuda:
         self.t0 = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> bool:
         import torch
 
         torch.cuda.synchronize()
         self.seconds = time.perf_counter() - self.t0
         self.transient = max(0, torch.cuda.max_memory_allocated() - self.start)
         self.reserved = torch.cuda.max_memory_reserved()
+        # a stage that does not fit the card is a result (its peak is where it failed); the
+        # other stages are still measured
+        self.out_of_memory = exc_type is not None and issubclass(
+            exc_type, torch.cuda.OutOfMemoryError
+        )
+        return self.out_of_memory
 
 
 def _measure(spec: dict) -> dict:
@@ -401,6 +411,7 @@ def _stage_figures(stages: dict) -> dict:
             "transient": v.transient,
             "seconds": v.seconds,
             "reserved": getattr(v, "reserved", None),
+            "out_of_memory": getattr(v, "out_of_memory", False),
         }
         for k, v in stages.items()
     }
@@ -472,6 +483,10 @@ def compare(spec: dict, measured: dict) -> dict:
         }
         if got.get("reserved") is not None:
             out[stage]["measured_reserved_peak_gib"] = round(got["reserved"] / GIB, 4)
+        if got.get("out_of_memory"):  # the measured figures are where it failed: no ratio
+            out[stage] = {"out_of_memory": True, **out[stage]}
+            for key in ("transient_ratio", "peak_ratio"):
+                out[stage][key] = None
     generated = sizes.rows * spec["gen_tokens"]
     out["generation"]["rollout_tokens_per_s"] = round(
         generated / max(measured["stages"]["generation"]["seconds"], 1e-9), 1
@@ -486,7 +501,11 @@ def compare(spec: dict, measured: dict) -> dict:
         "planned_resident_gib": round(plan_resident / GIB, 4),
         "measured_resident_gib": round(measured["resident"] / GIB, 4),
         "stages": out,
-        "peak_ratio_max_dev": round(max(abs(s["peak_ratio"] - 1) for s in out.values()), 3),
+        "peak_ratio_max_dev": round(
+            max((abs(s["peak_ratio"] - 1) for s in out.values() if s["peak_ratio"]), default=0),
+            3,
+        ),
+        "out_of_memory": [stage for stage, s in out.items() if s.get("out_of_memory")],
     }
 
 

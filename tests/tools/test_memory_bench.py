@@ -130,3 +130,32 @@ def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
     whole = out["stages"]["generation"]["planned_transient_gib"]
     assert 0 < halved["stages"]["generation"]["planned_transient_gib"] < whole
     assert halved["stages"]["scoring"] == out["stages"]["scoring"]
+
+
+def test_a_stage_out_of_cuda_memory_is_recorded_without_a_ratio(tmp_path):
+    # e.g. the paper preset's update without checkpointing (planned 84.8 GiB) on an 80 GiB card
+    from omgrpo.tools.memory_bench import compare
+
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        (CONFIGS / "qwen3-1.7b-base" / "config.json").read_text()
+    )
+    spec = {
+        "model_dir": str(model_dir),
+        "device": "cuda",
+        "prompts": 2,
+        "n": 4,
+        "micro": 1,
+        "prompt_len": 512,
+        "new_tokens": 3072,
+        "gen_tokens": 1024,
+    }
+    stages = {s: {"transient": 2**30, "seconds": 2.0} for s in STAGES}
+    stages["update_no_checkpointing"]["out_of_memory"] = True
+    out = compare(spec, {"resident": 16 * 2**30, "update_rows": 2, "stages": stages})
+    failed = out["stages"]["update_no_checkpointing"]
+    assert failed["out_of_memory"] and failed["peak_ratio"] is None
+    assert out["out_of_memory"] == ["update_no_checkpointing"]
+    measured = [s["peak_ratio"] for k, s in out["stages"].items() if k != "update_no_checkpointing"]
+    assert out["peak_ratio_max_dev"] == round(max(abs(r - 1) for r in measured), 3)

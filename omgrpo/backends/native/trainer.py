@@ -636,8 +636,9 @@ def _micro_batch_backward(
 ) -> dict[str, float] | None:
     """One micro-batch's loss (times `scale`) back-propagated; its metrics, or None when the
     loss is not finite (nothing is back-propagated then). A function so that its logits
-    (m x T x V) are freed on return, before the next micro-batch's forward and the optimizer
-    step: held in `ppo_update`'s loop they added m*T*V*b bytes to both peaks."""
+    (m x T x V) are freed on return: held in `ppo_update`'s loop they stayed alive through the
+    next micro-batch's forward and the optimizer step, m*T*V*b bytes more at the step's
+    peak."""
     device = num_tokens.device
     logits = response_logits(policy, part)
     logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
