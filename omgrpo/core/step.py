@@ -33,7 +33,7 @@ from omgrpo.core.diagnostics import (
     majority_answers,
     process_diagnostics,
 )
-from omgrpo.core.losses import group_advantages
+from omgrpo.core.losses import group_advantages, grpo_loss
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
@@ -304,6 +304,46 @@ def _reward_groups(
             )
         )
     return groups
+
+
+def step_loss(
+    batch: StepBatch,
+    idx: torch.Tensor,
+    logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    algo: Any,
+    num_tokens: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float | None = None,
+    entropy: torch.Tensor | None = None,
+    roles: dict[str, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`grpo_loss` of the rows `idx` of a scored step under `algo` (`config.algorithm`), with
+    the step's advantages, answer mask, format advantages and the full-batch `old_logprobs`,
+    `ref_logprobs` and `roles` indexed by `idx` and moved to the log-probs' device. Without
+    `old_logprobs` the ratio is 1; `kl_coef` overrides `algo.kl_coef` (0: the PG term alone).
+    The one place the native update and the mechanism probe build the loss."""
+    device = logprobs.device
+    fmt = batch.format_advantages
+    return grpo_loss(
+        logprobs,
+        logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
+        None if ref_logprobs is None else ref_logprobs[idx].to(device),
+        batch.advantages[idx].to(device),
+        response_mask,
+        batch.responses.answer_mask[idx].to(device),
+        answer_weight=algo.answer_weight,
+        answer_kl_weight=algo.answer_kl_weight,
+        format_advantages=None if fmt is None else fmt[idx].to(device),
+        clip=algo.clip,
+        kl_coef=algo.kl_coef if kl_coef is None else kl_coef,
+        agg=algo.agg,
+        num_tokens=num_tokens,
+        entropy=entropy,
+        roles=None if roles is None else {k: v[idx].to(device) for k, v in roles.items()},
+    )
 
 
 def step_metrics(

@@ -45,11 +45,11 @@ import torch
 from torch import Tensor
 
 from omgrpo.core.answers import extract_boxed
-from omgrpo.core.losses import grpo_loss, token_logprobs_and_entropy
+from omgrpo.core.losses import token_logprobs_and_entropy
 from omgrpo.core.means import mean_or_nan
 from omgrpo.core.rewards import majority_class
 from omgrpo.core.spans import response_offsets
-from omgrpo.core.step import StepBatch
+from omgrpo.core.step import StepBatch, step_loss
 from omgrpo.generation.rollout import Sequences, left_pad, response_logits, sample
 from omgrpo.tasks import task_probe
 from omgrpo.tasks.base import Problem, TaskProbe
@@ -324,27 +324,10 @@ def _param_grads(
 def _losses(logprobs, part, idx, batch, ref_logprobs, algo, num_tokens, B) -> tuple:
     """The step's loss on one micro-batch as `ppo_update` computes it (ratio 1, scaled as its
     micro-batches are), and its PG term alone (the same loss without the KL term)."""
-    device = logprobs.device
-    fmt = batch.format_advantages
-    kw = dict(
-        answer_weight=algo.answer_weight,
-        answer_kl_weight=algo.answer_kl_weight,
-        format_advantages=None if fmt is None else fmt[idx].to(device),
-        clip=algo.clip,
-        agg=algo.agg,
-        num_tokens=num_tokens,
-    )
-    args = (
-        logprobs,
-        logprobs.detach(),
-        None if ref_logprobs is None else ref_logprobs[idx].to(device),
-        batch.advantages[idx].to(device),
-        part.response_mask,
-        batch.responses.answer_mask[idx].to(device),
-    )
+    args = (batch, idx, logprobs, part.response_mask, algo, num_tokens)
+    loss = step_loss(*args, ref_logprobs=ref_logprobs)[0]
+    pg = step_loss(*args, ref_logprobs=ref_logprobs, kl_coef=0.0)[0]
     scale = 1.0 if algo.agg == "token-mean" else len(idx) / B
-    loss = grpo_loss(*args, kl_coef=algo.kl_coef, **kw)[0]
-    pg = grpo_loss(*args, kl_coef=0.0, **kw)[0]
     return loss * scale, pg * scale
 
 

@@ -55,7 +55,6 @@ from omgrpo.core.diagnostics import (
 from omgrpo.core.losses import (
     COUNT_SUFFIX,
     SUM_SUFFIX,
-    grpo_loss,
     token_logprobs_and_entropy,
     token_means,
 )
@@ -68,6 +67,7 @@ from omgrpo.core.step import (
     is_correct,
     rollout_table,
     score_step,
+    step_loss,
     step_metrics,
 )
 from omgrpo.generation.car import generate_pair_answers
@@ -639,26 +639,19 @@ def _micro_batch_backward(
     (m x T x V) are freed on return: held in `ppo_update`'s loop they stayed alive through the
     next micro-batch's forward and the optimizer step, m*T*V*b bytes more at the step's
     peak."""
-    device = num_tokens.device
     logits = response_logits(policy, part)
     logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
-    format_adv = batch.format_advantages
-    loss, metrics = grpo_loss(
+    loss, metrics = step_loss(
+        batch,
+        idx,
         logprobs,
-        logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
-        None if ref_logprobs is None else ref_logprobs[idx].to(device),
-        batch.advantages[idx].to(device),
         part.response_mask,
-        batch.responses.answer_mask[idx].to(device),
-        answer_weight=algo.answer_weight,
-        answer_kl_weight=algo.answer_kl_weight,
-        format_advantages=None if format_adv is None else format_adv[idx].to(device),
-        clip=algo.clip,
-        kl_coef=algo.kl_coef,
-        agg=algo.agg,
-        num_tokens=num_tokens,
+        algo,
+        num_tokens,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
         entropy=entropy.detach(),
-        roles={k: v[idx].to(device) for k, v in roles.items()},
+        roles=roles,
     )
     loss = loss * scale
     if not torch.isfinite(loss):

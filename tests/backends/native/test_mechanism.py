@@ -307,3 +307,46 @@ def test_the_update_frees_each_micro_batchs_logits_before_the_next_forward_and_t
     optimizer = CheckedAdamW(model.parameters(), lr=1e-3)
     out = ppo_update(model, optimizer, seqs, None, None, batch, _algo(micro_batch_size=2), 1.0)
     assert not out["skipped"] and len(alive) == 3  # 6 rows in micro-batches of 2
+
+
+def test_step_loss_is_grpo_loss_on_the_indexed_rows():
+    """`step_loss` (the update's and the probe's one loss builder) against `grpo_loss` called
+    by hand on rows 1 and 4 of a step, with a KL term, old log-probs and the kl override."""
+    from omgrpo.core.losses import grpo_loss
+    from omgrpo.core.step import step_loss
+
+    _, tok = random_toy_model(num_layers=1, seed=5)
+    seqs, batch = _step(tok)
+    idx = torch.tensor([1, 4])
+    g = torch.Generator().manual_seed(0)
+    shape = seqs.response_ids.shape
+    old, ref = (torch.randn(shape, generator=g) * 0.1 - 2.0 for _ in range(2))
+    logprobs = old[idx] + torch.randn((2, shape[1]), generator=g) * 0.05
+    mask = seqs.response_mask[idx]
+    algo = _algo(answer_weight=0.3, kl_coef=0.05, agg="seq-mean-token-sum")
+    for kl in (None, 0.0):
+        got, _ = step_loss(
+            batch,
+            idx,
+            logprobs,
+            mask,
+            algo,
+            mask.sum(),
+            old_logprobs=old,
+            ref_logprobs=ref,
+            kl_coef=kl,
+        )
+        want, _ = grpo_loss(
+            logprobs,
+            old[idx],
+            ref[idx],
+            batch.advantages[idx],
+            mask,
+            batch.responses.answer_mask[idx],
+            answer_weight=0.3,
+            clip=0.2,
+            kl_coef=0.05 if kl is None else 0.0,
+            agg="seq-mean-token-sum",
+            num_tokens=mask.sum(),
+        )
+        torch.testing.assert_close(got, want)
