@@ -96,16 +96,14 @@ def test_bench_memory_cli_options_reach_the_benchmark():
     assert (defaults["device"], defaults["shrink"], defaults["prompts"]) == ("cpu", 16, 2)
 
 
-def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
-    # the figures compared on a GPU are the plan for bf16 (resolve_dtype's choice on CUDA)
-    from omgrpo.tools.memory_bench import compare
-
+def _qwen3_cuda_spec(tmp_path) -> dict:
+    """A benchmark spec for Qwen3-1.7B's config on CUDA: 8 rows, 1-row micro-batches."""
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(
         (CONFIGS / "qwen3-1.7b-base" / "config.json").read_text()
     )
-    spec = {
+    return {
         "model_dir": str(model_dir),
         "device": "cuda",
         "prompts": 2,
@@ -115,6 +113,13 @@ def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
         "new_tokens": 3072,
         "gen_tokens": 1024,
     }
+
+
+def test_the_gpu_plan_uses_the_gpu_dtype(tmp_path):
+    # the figures compared on a GPU are the plan for bf16 (resolve_dtype's choice on CUDA)
+    from omgrpo.tools.memory_bench import compare
+
+    spec = _qwen3_cuda_spec(tmp_path)
     measured = {
         "resident": 16 * 2**30,
         "update_rows": 2,
@@ -136,21 +141,7 @@ def test_a_stage_out_of_cuda_memory_is_recorded_without_a_ratio(tmp_path):
     # e.g. the paper preset's update without checkpointing (planned 84.8 GiB) on an 80 GiB card
     from omgrpo.tools.memory_bench import compare
 
-    model_dir = tmp_path / "m"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(
-        (CONFIGS / "qwen3-1.7b-base" / "config.json").read_text()
-    )
-    spec = {
-        "model_dir": str(model_dir),
-        "device": "cuda",
-        "prompts": 2,
-        "n": 4,
-        "micro": 1,
-        "prompt_len": 512,
-        "new_tokens": 3072,
-        "gen_tokens": 1024,
-    }
+    spec = _qwen3_cuda_spec(tmp_path)
     stages = {s: {"transient": 2**30, "seconds": 2.0} for s in STAGES}
     stages["update_no_checkpointing"]["out_of_memory"] = True
     out = compare(spec, {"resident": 16 * 2**30, "update_rows": 2, "stages": stages})
