@@ -36,7 +36,8 @@ reserved peak is reported beside it (`measured_reserved_peak_gib`), since that i
 card's other users see. Generation's seconds give rollout tokens/s. A stage that runs out of
 CUDA memory is a result, not a crash: it is marked `out_of_memory` (its figures are where it
 failed, with no ratio; the config's `out_of_memory` lists such stages) and the later stages
-still run.
+still run where they do not need its output (generation and scoring feed the updates, so an
+out-of-memory there still ends the config's worker).
 """
 
 from __future__ import annotations
