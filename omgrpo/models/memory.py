@@ -167,7 +167,7 @@ def sizes_from_config(cfg: Any, device_type: str) -> Sizes:
         new_tokens=r.max_new_tokens,
         top_p=r.top_p,
         micro=a.micro_batch_size or mini,
-        # trainer.single_update: one PPO epoch over one mini-batch reuses the update's forward
+        # update.single_update: one PPO epoch over one mini-batch reuses the update's forward
         old_pass=stats or not (a.ppo_epochs == 1 and mini >= rows),
         stats=stats,
         ref=a.kl_coef > 0,

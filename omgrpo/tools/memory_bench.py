@@ -285,7 +285,7 @@ def _measure(spec: dict) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from omgrpo.backends.native.trainer import ppo_update
+    from omgrpo.backends.native.update import ppo_update
     from omgrpo.config import compose
     from omgrpo.generation.rollout import Sequences, response_logprobs, sample
     from omgrpo.models.loading import resolve_dtype

@@ -381,9 +381,10 @@ def test_validation_grades_with_its_own_budget(tiny_overrides, monkeypatch):
     """A training step that spends its whole budget leaves validation's intact, and step-0
     validation gets `reward.grading_budget_s` (before: it drew from a never-reset context)."""
     from omgrpo.backends.native import trainer as native
+    from omgrpo.backends.native import validation
     from omgrpo.config import compose
 
-    real_score, real_make = native.score_step, native.make_group
+    real_score, real_make = native.score_step, validation.make_group
     step_graders: list[Grader] = []
     val_graders: list[Grader] = []
 
@@ -398,7 +399,7 @@ def test_validation_grades_with_its_own_budget(tiny_overrides, monkeypatch):
         return real_make(*args, grader=grader, **kwargs)
 
     monkeypatch.setattr(native, "score_step", exhausting_score)
-    monkeypatch.setattr(native, "make_group", spying_make)
+    monkeypatch.setattr(validation, "make_group", spying_make)
     overrides = ["trainer.steps=2", "eval.every=1", "reward.grading_budget_s=7.5"]
     native.train(compose([*tiny_overrides, *overrides, "run.name=budgets"]))
     per_stage = list({id(g): g for g in val_graders}.values())

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from omgrpo.backends.native.trainer import gradient_probe, shuffled_advantages
+from omgrpo.backends.native.probes import gradient_probe
+from omgrpo.backends.native.update import shuffled_advantages
 from omgrpo.config import compose
 from omgrpo.core.losses import token_logprobs_and_entropy
 from omgrpo.core.step import score_step

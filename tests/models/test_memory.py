@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from omgrpo import cli
-from omgrpo.backends.native import trainer
-from omgrpo.backends.native.trainer import single_update
+from omgrpo.backends.native import run as native_run
+from omgrpo.backends.native.update import single_update
 from omgrpo.config import compose
 from omgrpo.models.memory import (
     GIB,
@@ -229,8 +229,8 @@ def test_train_refuses_on_cuda_before_loading_weights(tmp_path, monkeypatch):
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
     _fake_cuda(monkeypatch, 80)
-    monkeypatch.setattr(trainer, "resolve_device", lambda name: torch.device("cuda"))
-    monkeypatch.setattr(trainer, "load_tokenizer", pytest.fail)
+    monkeypatch.setattr(native_run, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(native_run, "load_tokenizer", pytest.fail)
     cfg = compose(
         [
             "experiment=paper",
@@ -242,7 +242,7 @@ def test_train_refuses_on_cuda_before_loading_weights(tmp_path, monkeypatch):
         ]
     )
     with pytest.raises(MemoryPlanError, match=r"update needs .*algorithm\.micro_batch_size="):
-        trainer.setup(cfg)
+        native_run.setup(cfg)
 
 
 def test_cpu_only_logs_the_plan_in_one_line(capsys):

@@ -11,7 +11,9 @@ One step (`train_step`), top to bottom:
   6. PPO epochs over mini-batches of the clipped surrogate + k3 KL,   time/update
      answer-span tokens weighted by w
   7. `omgrpo.core.step.step_metrics` and the update's metrics
-`train` wraps it with validation, collapse detection, logging and checkpoints.
+`train` wraps it with validation, collapse detection, logging and checkpoints. Beside it:
+`run` sets a run up (config checks, data, models, optimizer, resume, trackers), `update` is
+step 6, `probes` measure the weights before the update, `validation` scores the val split.
 
 Labels never enter a label-free reward: they are only read by the `gt` reward and diagnostics.
 """
@@ -19,7 +21,6 @@ Labels never enter a label-free reward: they are only read by the `gt` reward an
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import resource
 import sys
@@ -27,77 +28,33 @@ import time
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from omgrpo.backends.native.checkpoint import (
-    config_diff,
-    load_latest_intact_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
-from omgrpo.backends.native.mechanism import MechanismProbe
-from omgrpo.config import to_container, validate_algorithm
+from omgrpo.backends.native.checkpoint import config_diff, save_checkpoint
+from omgrpo.backends.native.probes import step_probes
+from omgrpo.backends.native.run import Run, resume_or_start, setup, start_tracker
+from omgrpo.backends.native.update import ppo_update, shuffled_advantages, single_update
+from omgrpo.backends.native.validation import validate
+from omgrpo.config import to_container
 from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
-from omgrpo.core.diagnostics import (
-    CollapseDetector,
-    guess_diagnostics,
-    process_diagnostics,
-    recovery_metrics,
-)
-from omgrpo.core.losses import (
-    COUNT_SUFFIX,
-    SUM_SUFFIX,
-    token_logprobs_and_entropy,
-    token_means,
-)
-from omgrpo.core.process import aggregate
-from omgrpo.core.rewards import get_reward, make_group
+from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.step import (
     LoopState,
     StepBatch,
     decode_responses,
-    is_correct,
     rollout_table,
     score_step,
-    step_loss,
     step_metrics,
 )
 from omgrpo.generation.car import generate_pair_answers
 from omgrpo.generation.engine import stream_seed
-from omgrpo.generation.rollout import (
-    Sequences,
-    response_logits,
-    response_logprobs,
-    sample,
-    stop_token_ids,
-)
-from omgrpo.models.loading import (
-    base_model_dir,
-    load_model,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-)
-from omgrpo.models.memory import check_memory_plan
-from omgrpo.models.toy_prm import configured_prm
-from omgrpo.tasks import (
-    TASKS,
-    Problem,
-    PromptEncoder,
-    check_prompt_lengths,
-    load_task,
-    task_probe,
-)
-from omgrpo.tracking import build_trackers
-from omgrpo.tracking.provenance import collect_provenance
+from omgrpo.generation.rollout import Sequences, response_logprobs
+from omgrpo.tasks import Problem, task_probe
 from omgrpo.tracking.store import RunStore
 
 STATS_REWARDS = {"self_certainty", "entropy"}  # need per-token stats from the policy
@@ -116,51 +73,6 @@ class StageTimer:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.seconds[stage] += time.perf_counter() - start
-
-
-@dataclass
-class Run:
-    """What a run sets up once and every step uses (models, optimizer, data, run store)."""
-
-    cfg: DictConfig
-    config: dict  # the resolved config (logged, compared on resume)
-    store: RunStore
-    base: str  # base model directory
-    device: torch.device
-    tokenizer: Any
-    policy: torch.nn.Module
-    ref: torch.nn.Module | None  # reference model for the KL term (None when kl_coef = 0)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    encode: PromptEncoder
-    stop_ids: list[int]
-    train_problems: list[Problem]
-    val_problems: list[Problem]
-    steps_per_epoch: int
-    total_steps: int
-    mechanism: MechanismProbe | None = None  # `diagnostics.mechanism_every`
-    prm: Any = None  # the frozen process reward model of the `process` reward (None: unused)
-
-    def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
-        """n responses per problem from the policy (prompts through the chat template), in
-        chunks that fit the device (`rollout.max_batch_tokens`)."""
-        return sample(
-            self.policy,
-            [self.encode(p) for p in problems],
-            n=n,
-            max_new_tokens=self.cfg.rollout.max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            eos_id=self.stop_ids,
-            pad_id=self.tokenizer.pad_token_id,
-            max_batch_tokens=self.cfg.rollout.max_batch_tokens,
-            **kw,
-        )
-
-    def status(self, state: str, step: int, **extra: Any) -> None:
-        self.store.write_status(
-            state=state, step=step, total_steps=self.total_steps, base_model=self.base, **extra
-        )
 
 
 def train(cfg: DictConfig, stop_after: int | None = None) -> Path:
@@ -293,12 +205,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         batch = shuffled_advantages(
             batch, torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
         )
-    probe = {}
-    probe_every = cfg.trainer.grad_probe_every
-    if probe_every and (state.step == 1 or state.step % probe_every == 0):
-        with timer("probe"):
-            probe = gradient_probe(policy, seqs, batch)
-    probe |= mechanism_probe(run, state.step, timer, seqs, batch, ref_logprobs)
+    probe = step_probes(run, state.step, timer, seqs, batch, ref_logprobs)
     with timer("update"):
         policy.train()
         update = ppo_update(
@@ -369,122 +276,6 @@ def log_step(run: Run, tracker, step: int, metrics: dict, batch: StepBatch | Non
         tracker.log_rollouts(step, table)
 
 
-def _collapse_message(step: int, metrics: dict) -> str:
-    return (
-        f"collapse detected at step {step}: "
-        f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
-        f"'{metrics['answers/batch_mode']}' in "
-        f"{metrics['answers/batch_mode_share']:.0%} of the batch"
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# Setup, resume, checkpoints
-# ----------------------------------------------------------------------------------------
-def setup(cfg: DictConfig) -> Run:
-    """Check the config, then load the data, the models and the optimizer."""
-    config = to_container(cfg)
-    check_config(cfg)
-    store = RunStore(Path(cfg.run.root) / cfg.run.name)
-    store.start_mode(cfg.run.resume)  # refuses an existing run with run.resume=false
-    if cfg.trainer.threads:
-        torch.set_num_threads(cfg.trainer.threads)
-    Grader.from_config(cfg.reward).warm_up()  # imports sympy / math-verify while models load
-    splits = load_task(cfg.task)
-    base = base_model_dir(cfg.model, cfg.task, splits)
-    device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    if cfg.model.path:  # before any weights load (the toy model is a few MB: not planned)
-        check_memory_plan(cfg, base, device)
-    tokenizer = load_tokenizer(base)
-    policy = load_model(base, device, dtype)
-    if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-    ref = None
-    if cfg.algorithm.kl_coef > 0:
-        ref = load_model(base, device, dtype).eval().requires_grad_(False)
-    stop_ids = stop_token_ids(tokenizer, policy)
-    prm = None
-    if "process" in cfg.reward.parts:  # frozen, outside the optimizer (it never trains)
-        prm = configured_prm(cfg, splits, device)
-    _seed_everything(cfg.seed)  # after loading: a first-time warm start consumes RNG
-    if "coreward" in cfg.reward.parts and any(p.paraphrase is None for p in splits.train):
-        raise ValueError("reward 'coreward' needs a paraphrase for every training problem")
-    encode = PromptEncoder(tokenizer, cfg.rollout.max_prompt_len)
-    check_prompt_lengths(splits, encode, paraphrases="coreward" in cfg.reward.parts)
-    steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
-    total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
-    optimizer = torch.optim.AdamW(
-        policy.parameters(),
-        lr=cfg.optim.lr,
-        betas=tuple(cfg.optim.betas),
-        eps=cfg.optim.eps,
-        weight_decay=cfg.optim.weight_decay,
-    )
-    return Run(
-        cfg=cfg,
-        config=config,
-        store=store,
-        base=base,
-        device=device,
-        tokenizer=tokenizer,
-        policy=policy,
-        ref=ref,
-        optimizer=optimizer,
-        scheduler=warmup_cosine(
-            optimizer, total_steps, cfg.optim.warmup_ratio, cfg.optim.min_lr_ratio
-        ),
-        encode=encode,
-        stop_ids=stop_ids,
-        train_problems=splits.train,
-        val_problems=splits.val[: cfg.eval.num_prompts],
-        steps_per_epoch=steps_per_epoch,
-        total_steps=total_steps,
-        mechanism=MechanismProbe.build(cfg, policy, ref, tokenizer, encode, splits.val, stop_ids),
-        prm=prm,
-    )
-
-
-def resume_or_start(run: Run) -> LoopState:
-    """The newest checkpoint's state (models, optimizer, RNGs restored) with `run.resume`,
-    else a fresh state; marks the run as running."""
-    state = LoopState()
-    checkpoint = (
-        load_latest_intact_checkpoint(run.store, run.config) if run.cfg.run.resume else None
-    )
-    if checkpoint is not None:
-        saved = checkpoint[1]
-        run.policy.load_state_dict(saved["model"])
-        run.optimizer.load_state_dict(saved["optimizer"])
-        run.scheduler.load_state_dict(saved["scheduler"])
-        set_rng_state(saved["rng"])
-        state = LoopState(**saved["loop"], step=saved["step"])
-        run.store.truncate_metrics(state.step)
-        print(f"resuming {run.store.dir} from step {state.step}")
-    else:
-        run.store.truncate_metrics(-1)
-        run.store.new_identity()  # a fresh run is a new identity, whatever ran here before
-        run.store.write_config(run.config)
-    run.store.write_provenance(collect_provenance())
-    run.status("running", state.step)
-    return state
-
-
-def start_tracker(run: Run, resume_step: int | None):
-    """The configured trackers (MLflow, W&B), started on this run."""
-    cfg = run.cfg
-    tracker = build_trackers(cfg.tracking, Path(cfg.run.root))
-    tracker.start(
-        run.store.dir,
-        run.config,
-        name=cfg.run.name,
-        group=cfg.run.experiment,
-        tags=list(cfg.run.tags),
-        resume_step=resume_step,
-    )
-    return tracker
-
-
 def save(run: Run, state: LoopState) -> None:
     """Checkpoint the step just finished and prune old checkpoints."""
     loop = dataclasses.asdict(state)
@@ -519,6 +310,15 @@ def _count_skip(run: Run, state: LoopState, skipped: bool) -> None:
         )
 
 
+def _collapse_message(step: int, metrics: dict) -> str:
+    return (
+        f"collapse detected at step {step}: "
+        f"{metrics['answers/unique_per_prompt']:.2f} answers per prompt, "
+        f"'{metrics['answers/batch_mode']}' in "
+        f"{metrics['answers/batch_mode_share']:.0%} of the batch"
+    )
+
+
 def _validating(run: Run) -> bool:
     return run.cfg.eval.every > 0 and bool(run.val_problems)
 
@@ -526,27 +326,6 @@ def _validating(run: Run) -> bool:
 def _due(step: int, every: int, total_steps: int) -> bool:
     """At every `every`-th step (none for 0) and at the last one."""
     return step == total_steps or (every > 0 and step % every == 0)
-
-
-# ----------------------------------------------------------------------------------------
-# Pieces of the step
-# ----------------------------------------------------------------------------------------
-def check_config(cfg) -> None:
-    """Fail on names and values that would otherwise fail minutes later, listing valid ones."""
-    for name in cfg.reward.parts:
-        get_reward(name)
-    if "process" in cfg.reward.parts:
-        aggregate([], cfg.reward.prm.aggregate)  # names the valid aggregations
-    if cfg.task.name not in TASKS:
-        raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
-    validate_algorithm(cfg.algorithm, "algorithm")
-    if cfg.rollout.n < 2:
-        raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
-    tokens = cfg.rollout.max_batch_tokens
-    if tokens is not None and tokens < 1:
-        raise ValueError(
-            f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}"
-        )
 
 
 def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) -> list[Problem]:
@@ -561,274 +340,8 @@ def batch_for_step(train: list[Problem], step: int, per_step: int, seed: int) ->
     return out
 
 
-def single_update(algo, batch: int) -> bool:
-    """One optimizer step per training step (one PPO epoch, one mini-batch): the old policy's
-    log-probs are then the update's own, detached."""
-    return algo.ppo_epochs == 1 and (algo.mini_batch_size or batch) >= batch
-
-
-def ppo_update(
-    policy,
-    optimizer,
-    seqs: Sequences,
-    old_logprobs,
-    ref_logprobs,
-    batch: StepBatch,
-    algo,
-    grad_clip: float,
-) -> dict[str, Any]:
-    """PPO epochs over mini-batches; micro-batches accumulate gradients with the mini-batch's
-    token count as the denominator. A non-finite loss or gradient skips the whole step."""
-    B = len(seqs)
-    roles = batch.responses.role_masks()
-    mini = algo.mini_batch_size or B
-    micro = algo.micro_batch_size or mini
-    device = next(policy.parameters()).device
-    combined = UpdateMetrics()
-    for _ in range(algo.ppo_epochs):
-        order = torch.randperm(B) if (algo.ppo_epochs > 1 or mini < B) else torch.arange(B)
-        for m0 in range(0, B, mini):
-            mb = order[m0 : m0 + mini]
-            num_tokens = seqs.response_mask[mb].sum().clamp(min=1).to(device)
-            optimizer.zero_grad(set_to_none=True)
-            for u0 in range(0, len(mb), micro):
-                idx = mb[u0 : u0 + micro]
-                # token-mean micro-batch losses are already partial sums of the mini-batch's
-                scale = 1.0 if algo.agg == "token-mean" else len(idx) / len(mb)
-                metrics = _micro_batch_backward(
-                    policy,
-                    seqs.select(idx).to(device),
-                    idx,
-                    old_logprobs,
-                    ref_logprobs,
-                    batch,
-                    roles,
-                    algo,
-                    num_tokens,
-                    scale,
-                )
-                if metrics is None:  # a non-finite loss
-                    optimizer.zero_grad(set_to_none=True)
-                    return {"skipped": True}
-                combined.add_micro_batch(metrics, scale)
-            norm = torch.nn.utils.clip_grad_norm_(
-                policy.parameters(), grad_clip if grad_clip > 0 else float("inf")
-            )
-            if not torch.isfinite(norm):
-                optimizer.zero_grad(set_to_none=True)
-                return {"skipped": True}
-            combined.end_mini_batch(float(norm))
-            optimizer.step()
-    return {**combined.result(), "skipped": False}
-
-
-def _micro_batch_backward(
-    policy,
-    part: Sequences,
-    idx,
-    old_logprobs,
-    ref_logprobs,
-    batch: StepBatch,
-    roles: dict,
-    algo,
-    num_tokens,
-    scale: float,
-) -> dict[str, float] | None:
-    """One micro-batch's loss (times `scale`) back-propagated; its metrics, or None when the
-    loss is not finite (nothing is back-propagated then). A function so that its logits
-    (m x T x V) are freed on return: held in `ppo_update`'s loop they stayed alive through the
-    next micro-batch's forward and the optimizer step, m*T*V*b bytes more at the step's
-    peak."""
-    logits = response_logits(policy, part)
-    logprobs, entropy = token_logprobs_and_entropy(logits.float(), part.response_ids)
-    loss, metrics = step_loss(
-        batch,
-        idx,
-        logprobs,
-        part.response_mask,
-        algo,
-        num_tokens,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
-        entropy=entropy.detach(),
-        roles=roles,
-    )
-    loss = loss * scale
-    if not torch.isfinite(loss):
-        return None
-    loss.backward()
-    return metrics
-
-
-class UpdateMetrics:
-    """How an update's micro-batch metrics combine into the step's: the token statistics
-    (`token_stats` sums and counts) add up over every micro-batch of every mini-batch and
-    epoch and are divided once (`token_means`: token-weighted, as the verl backend, nan for a
-    role without tokens); `loss/*` is each mini-batch's loss as back-propagated (the sum of
-    its scaled micro-batch losses) and, like `grad/norm`, averaged over mini-batches."""
-
-    def __init__(self) -> None:
-        self.stats: dict[str, float] = defaultdict(float)
-        self.losses: dict[str, float] = defaultdict(float)  # of the current mini-batch
-        self.means: dict[str, list[float]] = defaultdict(list)
-
-    def add_micro_batch(self, metrics: dict[str, float], scale: float) -> None:
-        for key, value in metrics.items():
-            if key.endswith((SUM_SUFFIX, COUNT_SUFFIX)):
-                self.stats[key] += value
-            else:
-                self.losses[key] += value * scale
-
-    def end_mini_batch(self, grad_norm: float) -> None:
-        for key, value in self.losses.items():
-            self.means[key].append(value)
-        self.losses.clear()
-        self.means["grad/norm"].append(grad_norm)
-
-    def result(self) -> dict[str, float]:
-        return {**token_means(self.stats), **{k: float(np.mean(v)) for k, v in self.means.items()}}
-
-
-def shuffled_advantages(batch: StepBatch, generator: torch.Generator) -> StepBatch:
-    """`batch` with its advantages (and format advantages) permuted within each group: the
-    shuffled-advantage null control (`trainer.shuffle_advantages`)."""
-    order = torch.arange(len(batch.group_ids))
-    for g in batch.group_ids.unique():
-        rows = (batch.group_ids == g).nonzero().squeeze(1)
-        order[rows] = rows[torch.randperm(len(rows), generator=generator)]
-    fmt = batch.format_advantages
-    return dataclasses.replace(
-        batch,
-        advantages=batch.advantages[order],
-        format_advantages=None if fmt is None else fmt[order],
-    )
-
-
-def gradient_probe(policy, seqs: Sequences, batch: StepBatch, rows: int = 64) -> dict[str, float]:
-    """Norms and cosine of the policy-gradient parts of the answer tokens and of the other
-    response tokens, at the current weights, on the first `rows` rollouts (ratio 1, no
-    masking, no KL: the gradients the OMU weight scales and leaves alone)."""
-    policy.train()
-    part = seqs.select(torch.arange(min(rows, len(seqs))))
-    device = next(policy.parameters()).device
-    part = part.to(device)
-    logprobs, _ = token_logprobs_and_entropy(
-        response_logits(policy, part).float(), part.response_ids
-    )
-    resp = part.response_mask.bool()
-    answer = batch.responses.answer_mask[: len(part)].to(device) & resp
-    weighted = -batch.advantages[: len(part)].to(device).unsqueeze(1) * logprobs
-    num_tokens = resp.sum().clamp(min=1)
-    params = [p for p in policy.parameters() if p.requires_grad]
-    flat = []
-    for mask in (answer, resp & ~answer):
-        grads = torch.autograd.grad(
-            (weighted * mask).sum() / num_tokens, params, retain_graph=True, allow_unused=True
-        )
-        flat.append(
-            torch.cat(
-                [
-                    (g if g is not None else torch.zeros_like(p)).flatten()
-                    for g, p in zip(grads, params)
-                ]
-            )
-        )
-    answer_grad, reasoning_grad = flat
-    return {
-        "grad/answer_norm": float(answer_grad.norm()),
-        "grad/reasoning_norm": float(reasoning_grad.norm()),
-        "grad/answer_reasoning_cos": float(
-            torch.nn.functional.cosine_similarity(answer_grad, reasoning_grad, dim=0)
-        ),
-    }
-
-
-def mechanism_probe(
-    run: Run, step: int, timer: StageTimer, seqs: Sequences, batch: StepBatch, ref_logprobs
-) -> dict[str, float]:
-    """The `mech/*` metrics when `diagnostics.mechanism_every` makes `step` a probe step, else
-    none; taken before the update (they split this step's update)."""
-    if run.mechanism is None or not run.mechanism.due(step):
-        return {}
-    with timer("mechanism"):
-        return run.mechanism.measure(run.policy, run.optimizer, seqs, batch, ref_logprobs, run.cfg)
-
-
-@torch.no_grad()
-def validate(run: Run, step: int, recovery: dict) -> dict:
-    """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
-    own random stream so validating (or not) never changes the training trajectory."""
-    cfg, problems = run.cfg, run.val_problems
-    k = cfg.eval.k
-    run.policy.eval()
-    seqs = run.sample(
-        problems,
-        k,
-        cfg.eval.temperature,
-        cfg.eval.top_p,
-        batch_size=cfg.eval.batch_size,
-        seed=stream_seed(cfg.seed, "validation", step),
-    )
-    responses = decode_responses(run.tokenizer, seqs.response_ids, seqs.response_mask)
-    answers = responses.answers
-    grader = Grader.from_config(cfg.reward)  # its own budget: never what a step left over
-    groups = [
-        make_group(a, label=p.answer, grader=grader) for a, p in zip(_chunks(answers, k), problems)
-    ]
-    correct = [
-        [bool(is_correct(a, p.answer, grader)) for a in g.answers] for g, p in zip(groups, problems)
-    ]
-    by_difficulty = {}
-    difficulties = [p.meta.get("difficulty") for p in problems]
-    if all(difficulties):  # toy problems: accuracy and guessing by difficulty
-        for d in sorted(set(difficulties)):
-            accs = [np.mean(c) for c, pd_ in zip(correct, difficulties) if pd_ == d]
-            by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
-        per_rollout = [d for d in difficulties for _ in range(k)]
-        probe, texts = task_probe(cfg.task), responses.texts
-        by_difficulty.update(guess_diagnostics(texts, answers, per_rollout, probe, "val"))
-        questions = [p.question for p in problems for _ in range(k)]
-        flat = [c for ok in correct for c in ok]
-        by_difficulty.update(
-            process_diagnostics(texts, answers, questions, flat, per_rollout, probe, "val")
-        )
-    return {
-        **by_difficulty,
-        "val/acc": float(np.mean([np.mean(c) for c in correct])),
-        f"val/pass@{k}": float(np.mean([any(c) for c in correct])),
-        "val/unique_answers": float(
-            np.mean([len({c for c in g.classes if c is not None}) for g in groups])
-        ),
-        "val/extract_rate": float(np.mean([a is not None for a in answers])),
-        **recovery_metrics(correct, recovery),
-    }
-
-
-def warmup_cosine(optimizer, total_steps: int, warmup_ratio: float, min_ratio: float):
-    """Linear warm-up over `warmup_ratio` of the steps, then cosine decay to `min_ratio`."""
-    warmup = round(warmup_ratio * total_steps)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
 def _paraphrased(p: Problem) -> Problem:
     return Problem(id=p.id + "#para", question=p.paraphrase, answer=p.answer)
-
-
-def _chunks(xs: list, size: int) -> list[list]:
-    return [xs[i : i + size] for i in range(0, len(xs), size)]
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def _peak_memory_gb(device: torch.device) -> float:

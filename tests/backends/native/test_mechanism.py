@@ -11,7 +11,8 @@ import torch
 from toy_models import random_toy_model
 
 from omgrpo.backends.native import mechanism as mech
-from omgrpo.backends.native.trainer import ppo_update, train
+from omgrpo.backends.native.trainer import train
+from omgrpo.backends.native.update import ppo_update
 from omgrpo.config import compose
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.rewards import make_group
@@ -284,12 +285,12 @@ def test_the_update_frees_each_micro_batchs_logits_before_the_next_forward_and_t
     forward or to the optimizer step they add to both peaks (0.87 GiB on Qwen2.5-7B, m = 1)."""
     import weakref
 
-    from omgrpo.backends.native import trainer
+    from omgrpo.backends.native import update
 
     model, tok = random_toy_model(num_layers=1, seed=4)
     seqs, batch = _step(tok)
     alive: list[weakref.ref] = []
-    response_logits = trainer.response_logits
+    response_logits = update.response_logits
 
     def logits_checked(policy, part):
         assert all(ref() is None for ref in alive), "a micro-batch's logits outlived it"
@@ -297,7 +298,7 @@ def test_the_update_frees_each_micro_batchs_logits_before_the_next_forward_and_t
         alive.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(trainer, "response_logits", logits_checked)
+    monkeypatch.setattr(update, "response_logits", logits_checked)
 
     class CheckedAdamW(torch.optim.AdamW):
         def step(self, closure=None):

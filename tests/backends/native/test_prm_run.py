@@ -4,7 +4,8 @@ PRM's step scores reach the reward, the metrics and the rollouts table; the PRM 
 import pytest
 import torch
 
-from omgrpo.backends.native.trainer import LoopState, setup, train, train_step
+from omgrpo.backends.native.run import setup
+from omgrpo.backends.native.trainer import LoopState, train, train_step
 from omgrpo.config import compose
 from omgrpo.core.process import split_steps
 from omgrpo.tracking.store import RunStore

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omgrpo.backends.native import trainer as trainer_module
+from omgrpo.backends.native import update as update_module
 from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
 from omgrpo.tracking.store import RunStore
@@ -78,7 +79,7 @@ def test_unknown_preset_lists_the_valid_ones():
 
 
 def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, tmp_path, monkeypatch):
-    real = trainer_module.step_loss
+    real = update_module.step_loss
     calls = {"n": 0}
 
     def nan_on_first_call(*args, **kwargs):
@@ -86,7 +87,7 @@ def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, tmp_pat
         loss, metrics = real(*args, **kwargs)
         return (loss * float("nan") if calls["n"] == 1 else loss), metrics
 
-    monkeypatch.setattr(trainer_module, "step_loss", nan_on_first_call)
+    monkeypatch.setattr(update_module, "step_loss", nan_on_first_call)
     run = train(compose([*tiny_overrides, "trainer.steps=3", "run.name=one-nan"]))
     df = RunStore(run).read_metrics()
     assert list(df["train/skipped_steps"].dropna()) == [1, 1, 1]
@@ -95,7 +96,7 @@ def test_nan_loss_skips_the_step_then_aborts_after_three(tiny_overrides, tmp_pat
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(trainer_module, "step_loss", always_nan)
+    monkeypatch.setattr(update_module, "step_loss", always_nan)
     with pytest.raises(FloatingPointError, match="NaN/inf for 3 steps in a row"):
         train(compose([*tiny_overrides, "trainer.steps=5", "run.name=all-nan"]))
     # step 3 failed; status.json's `step` (and the error's) is the last one that completed

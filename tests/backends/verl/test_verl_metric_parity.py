@@ -20,7 +20,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import Metric
 
-from omgrpo.backends.native.trainer import UpdateMetrics
+from omgrpo.backends.native.update import UpdateMetrics
 from omgrpo.backends.verl import ANSWER_MASK_KEY
 from omgrpo.backends.verl.config import compose_verl
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
