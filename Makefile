@@ -5,7 +5,15 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_VERSION ?= 2.13.0
+# The locked environment: `make lock` resolves pyproject.toml (dependencies and the dev, verl and
+# notebooks extras) with constraints/lock.in into constraints/lock.txt, every package pinned, for
+# Python 3.10-3.12 on every platform; every install below is constrained by it, so a fresh clone
+# installs what CI tested. LOCK_DATE is the resolver's cut-off (uv's --exclude-newer).
+LOCK := constraints/lock.txt
+LOCK_IN := constraints/lock.in
+LOCK_EXTRAS := dev verl notebooks
+LOCK_DATE ?= $(shell date -u +%Y-%m-%d)
+TORCH_VERSION ?= $(shell sed -n 's/^torch==\([0-9.]*\).*/\1/p' $(LOCK_IN))
 # Where the CPU build comes from if no local wheel or mirror provides `torch==X+cpu`.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
@@ -16,17 +24,17 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-gpu test lint format demo study study-v2 study-v3 calibration clean bench-env
+.PHONY: setup setup-gpu lock test test-fast durations lint format demo study study-v2 study-v3 calibration clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: $(VENV)/.installed-base
-	$(PY) -m pip install -q -e ".[dev,verl]"
+	$(PY) -m pip install -q -e ".[dev,verl]" -c $(LOCK)
 	touch $@
 
-$(VENV)/.installed-base: pyproject.toml
+$(VENV)/.installed-base: pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: $$($(PY) -c 'import torch; print(torch.__version__)')"; \
@@ -38,8 +46,22 @@ $(VENV)/.installed-base: pyproject.toml
 		$(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 		|| $(PY) -m pip install -q "torch==$(TORCH_VERSION)+cpu" --extra-index-url $(TORCH_CPU_INDEX); \
 	fi
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e . -c $(LOCK)
 	touch $@
+
+# lock: re-resolve constraints/lock.txt (needs the package registry). To upgrade a dependency,
+# raise its range in pyproject.toml (or torch in constraints/lock.in), run `make lock`, then
+# `make test`, and commit pyproject.toml and both constraints files together.
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$$(grep '^uv==' $(LOCK) || echo uv)"
+	$(VENV)/bin/uv pip compile pyproject.toml $(LOCK_IN) $(foreach e,$(LOCK_EXTRAS),--extra $(e)) \
+	  --universal --python-version 3.10 --exclude-newer $(LOCK_DATE) --no-header -q -o $(LOCK).new
+	{ echo "# omgrpo's locked environment, written by \`make lock\` (uv pip compile pyproject.toml"; \
+	  echo "# $(LOCK_IN), extras $(LOCK_EXTRAS), --universal --python-version 3.10 --exclude-newer $(LOCK_DATE))."; \
+	  echo "# Every install in the Makefile is constrained by it (pip -c); do not edit by hand."; \
+	  cat $(LOCK).new; } > $(LOCK)
+	rm -f $(LOCK).new
 
 # setup-gpu: .venv on a GPU machine with the set verl 0.9.1 declares as tested (its `verl[vllm]`
 # extra: torch 2.11.0, vLLM 0.24.0, transformers 5.9.0; PyPI's torch 2.11.0 is a CUDA 13 build),
@@ -58,7 +80,7 @@ TRL_VENV ?= .venv-trl
 
 bench-env:
 	$(MAKE) VENV=$(TRL_VENV) $(TRL_VENV)/.installed-base
-	$(TRL_VENV)/bin/python -m pip install -q -e ".[bench]"
+	$(TRL_VENV)/bin/python -m pip install -q -e ".[bench]" -c $(LOCK)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -70,11 +92,22 @@ format: setup
 
 # The suite on TEST_WORKERS processes (pytest-xdist): on 2 cores 2 workers took 8 min where one
 # took 16-17 (the longest tests retrain a base and run verl end to end, a minute or two each).
-# TEST_WORKERS=0 runs it in one process.
+# TEST_WORKERS=0 runs it in one process. Tiers (markers in pyproject.toml): `make test` is the
+# whole suite, what CI runs; `make test-fast` leaves out the `slow` tests (training, whole verbs)
+# and the `e2e` ones (verl workers, servers, subprocesses, wheel builds, notebooks).
 TEST_WORKERS ?= 2
 
 test: setup lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
+
+test-fast: setup lint
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not slow and not e2e"
+
+# durations: rerun the whole suite and rewrite tests/durations.txt, every test's time (slowest
+# first), the snapshot that tells which tests to mark `slow` or `e2e`.
+durations: setup
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=0 --durations-min=0.5 -p no:cacheprovider \
+	  | sed -n '/slowest durations/,/short test summary\|passed\|failed/p' > tests/durations.txt
 
 # The collapse study v2's central comparison in the shortcut world (sweeps/collapse_demo.yaml):
 # the shuffled-advantage null, majority voting and OM-GRPO (w = 0, the paper's span), 150 steps
