@@ -59,8 +59,8 @@ from typing import Any, NamedTuple
 
 from omgrpo.core.answers import Grader, cluster
 from omgrpo.core.means import mean_or_nan, share_or_nan
+from omgrpo.core.prompt import render_prompt
 from omgrpo.core.rewards import majority_class
-from omgrpo.tasks.base import render_prompt
 
 __all__ = [
     "CAR_INTRO",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from omgrpo.core.answers import normalize
 from omgrpo.core.means import mean_or_nan, share_or_nan
 from omgrpo.core.rewards import RewardGroup, majority_class
-from omgrpo.tasks.base import GUESS_KINDS, TaskProbe
+from omgrpo.core.task import GUESS_KINDS, TaskProbe
 
 
 def answer_diagnostics(

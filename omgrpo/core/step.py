@@ -37,7 +37,7 @@ from omgrpo.core.losses import group_advantages, grpo_loss
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
-from omgrpo.tasks.base import Problem, TaskProbe
+from omgrpo.core.task import Problem, TaskProbe
 
 __all__ = [
     "LoopState",

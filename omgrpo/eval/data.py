@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from omgrpo.tasks.base import Problem
+from omgrpo.core.task import Problem
 from omgrpo.tasks.files import _read_rows
 
 QUESTION_KEYS = ("problem", "question", "prompt", "Problem", "Question")

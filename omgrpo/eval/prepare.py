@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from omgrpo.core.task import Problem
 from omgrpo.eval.data import BenchmarkDataError, load_benchmark
 from omgrpo.eval.suite import TOY_SOURCE, load_suite
-from omgrpo.tasks.base import Problem
 
 BACKENDS = ("verl",)
 TOY_SPLITS = ("train", "val", "test")

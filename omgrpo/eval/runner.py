@@ -34,12 +34,12 @@ import torch
 
 from omgrpo.core import answers as grader
 from omgrpo.core.answers import Grader
+from omgrpo.core.task import Problem
 from omgrpo.eval.checkpoints import Choice, choose_checkpoint
 from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
 from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler, require_vllm
 from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite, default_suite_name, load_suite
-from omgrpo.tasks.base import Problem
 from omgrpo.tracking.store import RunStore
 
 CHUNK_PROBLEMS = 32  # problems sampled at once; progress is reported after each chunk

@@ -15,10 +15,10 @@ from typing import Protocol
 
 import torch
 
+from omgrpo.core.task import Problem
 from omgrpo.eval.suite import BenchmarkSpec
 from omgrpo.generation.rollout import sample, stop_token_ids
 from omgrpo.tasks import PromptEncoder
-from omgrpo.tasks.base import Problem
 
 BACKENDS = ("native", "vllm")
 MAX_PROMPT_TOKENS = 1 << 20  # evaluation does not truncate prompts

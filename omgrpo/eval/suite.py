@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from omgrpo.tasks.base import SYSTEM_PROMPT
+from omgrpo.core.prompt import SYSTEM_PROMPT
 
 TOY_SOURCE = "toy:test"  # the toy world's test split, from the run's task config
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from omgrpo.core.answers import extract_boxed, normalize
-from omgrpo.tasks.base import Problem
+from omgrpo.core.task import Problem
 from omgrpo.tasks.toy import ToyWorldSpec, draw_distinct, is_guess
 
 __all__ = [

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from omgrpo.console import quiet_library_bars
-from omgrpo.tasks.base import TaskSplits
+from omgrpo.core.task import TaskSplits
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

@@ -24,12 +24,12 @@ from transformers import PreTrainedTokenizerBase, Qwen3Config, Qwen3ForCausalLM
 from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.core.car import car_prompt, car_text
 from omgrpo.core.losses import token_logprobs_and_entropy
+from omgrpo.core.prompt import render_prompt
 from omgrpo.generation.engine import left_pad, right_pad
 from omgrpo.generation.rollout import Sequences, response_logits
 from omgrpo.models.basecheck import write_base_checks
 from omgrpo.models.bases import install_shipped
 from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
-from omgrpo.tasks.base import render_prompt
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
 # Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.

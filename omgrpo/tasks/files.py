@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from omgrpo.tasks.base import Problem
+from omgrpo.core.task import Problem
 
 
 def load_problems(

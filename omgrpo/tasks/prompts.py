@@ -3,7 +3,8 @@ that every prompt a run can draw fits `rollout.max_prompt_len`."""
 
 from __future__ import annotations
 
-from omgrpo.tasks.base import SYSTEM_PROMPT, Problem, TaskSplits, render_prompt
+from omgrpo.core.prompt import SYSTEM_PROMPT, render_prompt
+from omgrpo.core.task import Problem, TaskSplits
 
 SHOWN_ROWS = 10  # over-long prompts listed by name in the setup error
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omgrpo.tasks.base import TaskProbe, TaskSplits
+from omgrpo.core.task import TaskProbe, TaskSplits
 from omgrpo.tasks.files import load_problems
 from omgrpo.tasks.toy import ToyProbe, ToyWorldSpec, generate_toy_splits
 

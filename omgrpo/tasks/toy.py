@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from omgrpo.core.answers import normalize
-from omgrpo.tasks.base import Problem, ProcessGrade, TaskSplits
+from omgrpo.core.task import Problem, ProcessGrade, TaskSplits
 from omgrpo.tasks.toy_process import grade_process, parse_question
 
 _OP_WORDS = {"+": "add", "-": "subtract", "*": "multiply by"}
@@ -294,7 +294,7 @@ def is_guess(text: str, answer: str | None) -> bool:
 
 @dataclass(frozen=True)
 class ToyProbe:
-    """The toy world's `omgrpo.tasks.base.TaskProbe`: the computed lines `a op b = c` give the
+    """The toy world's `omgrpo.core.task.TaskProbe`: the computed lines `a op b = c` give the
     `result` role, the guess diagnostics and the process grade (`omgrpo.tasks.toy_process`);
     `peak` is the guess prior's peak."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from omgrpo.core.answers import normalize
-from omgrpo.tasks.base import ProcessGrade
+from omgrpo.core.task import ProcessGrade
 
 # `a op b = c` on one line, with the spacing the toy world's `last_result` accepts.
 _COMPUTED = re.compile(r"^\s*(\d+)\s*([+\-*])\s*(\d+)\s*=\s*(\d+)\s*$")
@@ -68,7 +68,7 @@ def _one_edit(a: str, b: str) -> bool:
 
 
 def guess_kind(answer: str | None, computed: str | None, malformed: int) -> str | None:
-    """The kind of guess (`omgrpo.tasks.base.GUESS_KINDS`) of a box holding `answer` after
+    """The kind of guess (`omgrpo.core.task.GUESS_KINDS`) of a box holding `answer` after
     reasoning whose last computed value is `computed` (None: no computed line) with `malformed`
     malformed lines; None when it is no guess (no answer, or the computed value boxed). Tested
     in order: no computed line (malformed lines only: `malformed`, nothing at all: `prior`),

@@ -17,8 +17,8 @@ from omgrpo.core.process import (
 )
 from omgrpo.core.rewards import compute_rewards, make_group
 from omgrpo.core.step import LoopState, score_step, step_metrics
+from omgrpo.core.task import Problem
 from omgrpo.models.tokenizer import build_char_tokenizer
-from omgrpo.tasks.base import Problem
 
 
 def test_steps_are_the_non_blank_lines_stripped():

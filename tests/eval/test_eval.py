@@ -209,10 +209,10 @@ def test_vllm_backend_maps_the_settings_and_returns_the_native_format(monkeypatc
     import sys
     import types
 
+    from omgrpo.core.task import Problem
     from omgrpo.eval.sampler import VLLMSampler
     from omgrpo.eval.suite import BenchmarkSpec
     from omgrpo.models.tokenizer import build_char_tokenizer
-    from omgrpo.tasks.base import Problem
 
     calls = {}
 

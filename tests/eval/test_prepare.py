@@ -9,8 +9,8 @@ import pytest
 
 from omgrpo.cli import main
 from omgrpo.config import compose
+from omgrpo.core.prompt import build_messages
 from omgrpo.eval.data import load_benchmark
-from omgrpo.tasks.base import build_messages
 from omgrpo.tasks.registry import TASKS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"

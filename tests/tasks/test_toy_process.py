@@ -8,7 +8,7 @@ import pytest
 
 from omgrpo.core.diagnostics import guess_diagnostics, process_diagnostics
 from omgrpo.core.step import extract_answer
-from omgrpo.tasks.base import GUESS_KINDS
+from omgrpo.core.task import GUESS_KINDS
 from omgrpo.tasks.toy import ToyProbe, ToyWorldSpec, is_guess, make_problem
 from omgrpo.tasks.toy_process import grade_process, guess_kind, parse_question
 

@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
+from omgrpo.core.task import Problem
 from omgrpo.models.basecheck import acceptance, check_problems, difficulty_stats, wilson_interval
-from omgrpo.tasks.base import Problem
 from omgrpo.tasks.toy import (
     ToyWorldSpec,
     draw_guess,

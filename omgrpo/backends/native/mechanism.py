@@ -50,9 +50,9 @@ from omgrpo.core.means import mean_or_nan
 from omgrpo.core.rewards import majority_class
 from omgrpo.core.spans import response_offsets
 from omgrpo.core.step import StepBatch, step_loss
+from omgrpo.core.task import Problem, TaskProbe
 from omgrpo.generation.rollout import Sequences, left_pad, response_logits, sample
 from omgrpo.tasks import task_probe
-from omgrpo.tasks.base import Problem, TaskProbe
 
 __all__ = [
     "PARTS",

@@ -1,7 +1,7 @@
 """Problems as verl's RL dataset (one parquet row per problem), with the paper's prompt.
 
 Row format (docs/verl.md, "Launch on one node"): `data_source`, `prompt` (the chat messages of
-`omgrpo.tasks.base.build_messages`: the paper's system instruction, then the question),
+`omgrpo.core.prompt.build_messages`: the paper's system instruction, then the question),
 `reward_model.ground_truth` (the label: diagnostics and `method=gt` only), `extra_info.index`
 (the prompt id of the label-flip diagnostic). Used by the verl smoke test and the CPU test.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from omgrpo.tasks.base import Problem, build_messages
+from omgrpo.core.prompt import build_messages
+from omgrpo.core.task import Problem
 from omgrpo.tasks.toy import ToyWorldSpec, generate_toy_splits
 
 __all__ = ["verl_rows", "write_toy_parquet"]

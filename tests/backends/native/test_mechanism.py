@@ -17,8 +17,8 @@ from omgrpo.config import compose
 from omgrpo.core.losses import group_advantages
 from omgrpo.core.rewards import make_group
 from omgrpo.core.step import StepBatch, decode_responses
+from omgrpo.core.task import Problem
 from omgrpo.generation.rollout import Sequences, left_pad, right_pad
-from omgrpo.tasks.base import Problem
 from omgrpo.tasks.prompts import PromptEncoder
 from omgrpo.tasks.toy import ToyProbe
 from omgrpo.tracking.store import RunStore

@@ -41,11 +41,11 @@ from omgrpo.backends.verl.reward import NO_ANSWER, compute_score
 from omgrpo.config import compose
 from omgrpo.core.car import CAR_INTRO, CAR_MIDDLE, CAR_OUTRO, CarResult, car_text, cut_solutions
 from omgrpo.core.losses import answer_token_advantages
+from omgrpo.core.prompt import build_messages
 from omgrpo.core.step import LoopState, decode_responses, extract_answer, score_step
 from omgrpo.core.step import step_metrics as native_step_metrics
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.tasks import Problem
-from omgrpo.tasks.base import build_messages
 
 PROMPT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
 RESPONSES = ["2+2=4 so \\boxed{4}", "two and two: \\boxed{4}", "I think \\boxed{5}"]
