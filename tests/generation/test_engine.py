@@ -3,7 +3,7 @@ the prefix tree's scoring layout against the plain forward."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from toy_models import random_toy_model
 
@@ -68,16 +68,23 @@ def _greedy(model, tok, prompts, group, max_new_tokens, stop):
 def test_lean_and_hf_decoding_give_the_same_greedy_tokens(monkeypatch):
     model, tok = _model()
     prompts = _prompts(tok)
+    # The stop token is the one prompt 0's rows decode 4th when nothing stops them, and only
+    # those rows stop at it: they stop early (at its first occurrence), the others run on, by
+    # construction. (A fixed stop token, "7", left every row running to the end for most
+    # random models: whether a random model ever decodes it is luck.)
+    free, _ = _greedy(model, tok, prompts, 2, 12, stop=lambda rows, toks: toks < 0)
+    target = int(free[0, 3])
     outputs = []
     for lean in (True, False):
         monkeypatch.setattr(engine, "lean_decoding_supported", lambda m, lean=lean: lean)
-        seven = tok.convert_tokens_to_ids("7")
         outputs.append(
-            _greedy(model, tok, prompts, 2, 12, stop=lambda rows, toks, s=seven: toks == s)
+            _greedy(
+                model, tok, prompts, 2, 12, stop=lambda rows, toks: (rows < 2) & (toks == target)
+            )
         )
     (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
     assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
-    assert len(set(lean_len.tolist())) > 1  # some rows stopped early, others ran on
+    assert lean_len[:2].max() <= 4 and (lean_len[2:] == 12).all()  # stopped early, ran on
     for row, n in zip(lean_tokens, lean_len):
         assert (row[n:] == tok.pad_token_id).all()
 
@@ -144,7 +151,15 @@ def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
         engine.sample_categorical(torch.zeros(1, 3))
 
 
-@settings(max_examples=300, deadline=None)
+# derandomize: the same examples on every run and machine (a random search could fail one run
+# in many on an input no earlier run tried); database=None: nothing written into the checkout
+@settings(
+    max_examples=300,
+    deadline=None,
+    database=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5))
 def test_common_prefix_len_equals_a_plain_scan(rows):
     n = 0
