@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.core.car import CarConfig
+from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS
 from omgrpo.core.losses import AGG_MODES
 from omgrpo.core.spans import ANSWER_SPANS
 from omgrpo.tasks.toy import ToyWorldSpec
@@ -399,11 +400,11 @@ class DiagnosticsConfig:
 
 @dataclass
 class CollapseConfig:
-    max_unique_per_prompt: float = 1.5
+    max_unique_per_prompt: float = COLLAPSE_DEFAULTS["max_unique_per_prompt"]
     """Collapse needs mean distinct answers per prompt at or below this..."""
-    min_mode_share: float = 0.5
+    min_mode_share: float = COLLAPSE_DEFAULTS["min_mode_share"]
     """...and the batch's most common answer in at least this share of all rollouts..."""
-    patience: int = 3
+    patience: int = COLLAPSE_DEFAULTS["patience"]
     """...for this many consecutive steps."""
     stop: bool = False
     """End the run cleanly when collapse is detected (status `collapsed`)."""

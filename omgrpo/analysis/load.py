@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from omgrpo.core.diagnostics import CollapseDetector
+from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS, CollapseDetector
 from omgrpo.tracking import (
     RUN_DIR_TAG,
     RUN_UUID_TAG,
@@ -88,7 +88,7 @@ LEGACY_TOP_VOTE_WITHOUT_CAR = "car/top_vote_acc_without_car"
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
 
-DEFAULT_COLLAPSE = {"max_unique_per_prompt": 1.5, "min_mode_share": 0.5, "patience": 3}
+DEFAULT_COLLAPSE = COLLAPSE_DEFAULTS  # the trainers' defaults, for runs that did not record theirs
 
 
 class NoRunsError(FileNotFoundError):

@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import astuple, dataclass
 
 from omgrpo.core.answers import normalize
 from omgrpo.core.means import mean_or_nan, share_or_nan
 from omgrpo.core.rewards import RewardGroup, majority_class
-from omgrpo.core.task import GUESS_KINDS, TaskProbe
+from omgrpo.core.task import GUESS_KINDS, Problem, TaskProbe
 
 
 def answer_diagnostics(
@@ -69,6 +70,43 @@ def answer_diagnostics(
     }
 
 
+@dataclass(frozen=True)
+class GuessCounts:
+    """How many of some rollouts box a guess, as the task's `TaskProbe` reads them."""
+
+    rollouts: int
+    answered: int
+    """Rollouts with a boxed answer."""
+    guesses: int
+    """Answered rollouts whose box is not the value their reasoning computed last
+    (`probe.is_guess`)."""
+    bare: int
+    """Answered rollouts with no computed value before the box (`probe.result_span` is None)."""
+    peak: int
+    """Rollouts boxing `probe.peak` (0 where the task has no peak)."""
+
+    def __add__(self, other: GuessCounts) -> GuessCounts:
+        return GuessCounts(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+def count_guesses(
+    texts: Sequence[str], answers: Sequence[str | None], probe: TaskProbe
+) -> GuessCounts:
+    """`GuessCounts` of rollouts `texts` with their boxed `answers` (None: no box); the one
+    reading of guesses behind `guess_diagnostics` and the toy base checks."""
+    answered = [(t, a) for t, a in zip(texts, answers) if a is not None]
+    peak = 0
+    if probe.peak is not None:
+        peak = sum(a is not None and normalize(a) == probe.peak for a in answers)
+    return GuessCounts(
+        rollouts=len(answers),
+        answered=len(answered),
+        guesses=sum(bool(probe.is_guess(t, a)) for t, a in answered),
+        bare=sum(probe.result_span(t) is None for t, _ in answered),
+        peak=peak,
+    )
+
+
 def guess_diagnostics(
     texts: Sequence[str],
     answers: Sequence[str | None],
@@ -77,8 +115,8 @@ def guess_diagnostics(
     prefix: str = "answers",
 ) -> dict[str, float]:
     """How the boxed answers relate to the reasoning before them (the shortcut worlds,
-    docs/toy-worlds.md), read by the task's `probe`, over rollouts with an answer (nan when
-    no rollout has one):
+    docs/toy-worlds.md), read by the task's `probe` (`count_guesses`), over rollouts with an
+    answer (nan when no rollout has one):
     - `<prefix>/consistency`: share whose answer is the value their reasoning computed last;
     - `<prefix>/guess_rate_<difficulty>`: share that box something else (`probe.is_guess`), by
       the problems' difficulty;
@@ -86,21 +124,45 @@ def guess_diagnostics(
     - `<prefix>/peak_share`: share of all rollouts boxing `probe.peak` (the toy world's guess
       prior's peak value), if the task has one.
     """
-    answered = [(t, a, d) for t, a, d in zip(texts, answers, difficulties) if a is not None]
-    guesses = [(probe.is_guess(t, a), d) for t, a, d in answered]
-    out = {
-        f"{prefix}/consistency": mean_or_nan(float(not g) for g, _ in guesses),
-        f"{prefix}/bare_guess_rate": mean_or_nan(
-            float(probe.result_span(t) is None) for t, _, _ in answered
-        ),
+    by_difficulty = {
+        d: count_guesses(
+            [t for t, dd in zip(texts, difficulties) if dd == d],
+            [a for a, dd in zip(answers, difficulties) if dd == d],
+            probe,
+        )
+        for d in sorted(set(difficulties))
     }
-    for difficulty in sorted(set(difficulties)):
-        part = [float(g) for g, d in guesses if d == difficulty]
-        out[f"{prefix}/guess_rate_{difficulty}"] = mean_or_nan(part)
+    total = sum(by_difficulty.values(), GuessCounts(0, 0, 0, 0, 0))
+    out = {
+        f"{prefix}/consistency": share_or_nan(total.answered - total.guesses, total.answered),
+        f"{prefix}/bare_guess_rate": share_or_nan(total.bare, total.answered),
+    }
+    for d, counts in by_difficulty.items():
+        out[f"{prefix}/guess_rate_{d}"] = share_or_nan(counts.guesses, counts.answered)
     if probe.peak is not None:
-        hits = sum(a is not None and normalize(a) == probe.peak for a in answers)
-        out[f"{prefix}/peak_share"] = share_or_nan(hits, len(answers))
+        out[f"{prefix}/peak_share"] = share_or_nan(total.peak, total.rollouts)
     return out
+
+
+def task_diagnostics(
+    texts: Sequence[str],
+    answers: Sequence[str | None],
+    prompts: Sequence[Problem],
+    correct: Sequence[bool | None],
+    probe: TaskProbe | None,
+    prefix: str = "answers",
+) -> dict[str, float]:
+    """`guess_diagnostics` and `process_diagnostics` of rollouts (`prompts[i]` is rollout i's
+    problem), by the problems' difficulty; {} without a probe or where a problem carries no
+    difficulty (only the toy world's do)."""
+    difficulties = [p.meta.get("difficulty") for p in prompts]
+    if probe is None or not all(difficulties):
+        return {}
+    questions = [p.question for p in prompts]
+    return {
+        **guess_diagnostics(texts, answers, difficulties, probe, prefix),
+        **process_diagnostics(texts, answers, questions, correct, difficulties, probe, prefix),
+    }
 
 
 def process_diagnostics(
@@ -208,6 +270,11 @@ def recovery_metrics(correct: Sequence[Sequence[bool]], state: dict) -> dict[str
         "recovery/cum_pass": share_or_nan(len(solved), len(zero)),
         "recovery/cum_avg": mean_or_nan(sum(correct[i]) / len(correct[i]) for i in zero),
     }
+
+
+COLLAPSE_DEFAULTS = {"max_unique_per_prompt": 1.5, "min_mode_share": 0.5, "patience": 3}
+"""`CollapseDetector`'s thresholds unless configured: the trainers' `collapse.*` defaults
+(`omgrpo.config.CollapseConfig`) and the analysis's for runs that did not record them."""
 
 
 class CollapseDetector:

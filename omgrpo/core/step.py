@@ -28,10 +28,9 @@ from omgrpo.core.car import CarResult, top_vote_metrics
 from omgrpo.core.diagnostics import (
     answer_diagnostics,
     confidently_wrong,
-    guess_diagnostics,
     label_flip_rate,
     majority_answers,
-    process_diagnostics,
+    task_diagnostics,
 )
 from omgrpo.core.losses import group_advantages, grpo_loss
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
@@ -353,10 +352,8 @@ def step_metrics(
 
     `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
     `acc/train`, with CAR the `car/*` diagnostics and the pool's vote `car/top_vote_acc`, and,
-    where the batch holds tokens, `response/length_mean`; given the task's `probe` and problems
-    that carry a difficulty (the toy world's), the answer-reasoning consistency and guess rates
-    of `guess_diagnostics`, with the share of `probe.peak`, and the process quality and guess
-    kinds of `process_diagnostics`. `confident_share` is
+    where the batch holds tokens, `response/length_mean` and, given the task's `probe`, its
+    `task_diagnostics` (the toy world's guess rates and process quality). `confident_share` is
     `collapse.confident_share`.
     """
     correct = batch.per_group(batch.correct)
@@ -380,16 +377,9 @@ def step_metrics(
         lengths = batch.responses.mask.sum(-1).float()
         metrics["response/length_mean"] = float(lengths.mean())
         prompts = batch.per_rollout(batch.prompts)
-        difficulties = [p.meta.get("difficulty") for p in prompts]
-        if probe is not None and all(difficulties):
-            texts = batch.responses.texts
-            metrics.update(guess_diagnostics(texts, batch.answers, difficulties, probe))
-            questions = [p.question for p in prompts]
-            metrics.update(
-                process_diagnostics(
-                    texts, batch.answers, questions, batch.correct, difficulties, probe
-                )
-            )
+        metrics.update(
+            task_diagnostics(batch.responses.texts, batch.answers, prompts, batch.correct, probe)
+        )
     return metrics
 
 

@@ -1,10 +1,8 @@
 """Benchmark metrics from a table of graded samples (pure functions over numpy arrays).
 
 Per problem with n samples of which c are correct:
-- avg@n   mean correctness of the n samples (the paper's "avg@16": 16 samples, averaged);
-- pass@k  chance that at least one of k samples drawn without replacement from the n is
-          correct, the unbiased estimator of Chen et al. (2021):
-          1 - C(n-c, k) / C(n, k) = 1 - prod_{i=n-c+1}^{n} (1 - k / i);
+- avg@n, pass@k  as `omgrpo.core.accuracy` defines them (mean correctness of the n samples;
+          the unbiased estimator of pass@k);
 - maj@k   whether the most common answer among the first k samples (equivalence classes of
           `omgrpo.core.answers.cluster`; ties go to the class seen first) is correct;
 - extraction rate: share of samples with a `\\boxed{}` answer.
@@ -17,16 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from omgrpo.core.accuracy import per_problem_avg, per_problem_pass
 from omgrpo.core.rewards import majority_class
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one problem (n samples, c correct, 1 <= k <= n)."""
-    if not 1 <= k <= n or not 0 <= c <= n:
-        raise ValueError(f"pass@k needs 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 def majority_correct(classes: Sequence[int | None], correct: Sequence[bool]) -> bool:
@@ -60,10 +50,9 @@ def per_problem_scores(
     if n == 0:
         raise ValueError("no samples per problem")
     right = np.array([[bool(x) for x in row] for row in correct])
-    counts = right.sum(1)
-    scores: dict[str, np.ndarray] = {f"avg@{n}": right.mean(1)}
+    scores: dict[str, np.ndarray] = {f"avg@{n}": per_problem_avg(right)}
     for k in range(1, n + 1):
-        scores[f"pass@{k}"] = np.array([pass_at_k(n, int(c), k) for c in counts])
+        scores[f"pass@{k}"] = per_problem_pass(right, k)
     for k in ks_up_to(n):
         scores[f"maj@{k}"] = np.array(
             [majority_correct(cls[:k], row[:k]) for cls, row in zip(classes, right)], dtype=float

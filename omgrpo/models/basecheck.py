@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 
+from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import extract_boxed, normalize
+from omgrpo.core.diagnostics import GuessCounts, count_guesses
 from omgrpo.core.task import Problem
-from omgrpo.tasks.toy import ToyWorldSpec, draw_distinct, is_guess
+from omgrpo.tasks.toy import ToyProbe, ToyWorldSpec, draw_distinct
 
 __all__ = [
     "DifficultyStats",
@@ -84,7 +86,7 @@ def difficulty_stats(
     """Per-difficulty statistics of `texts[i]` (the k sampled responses to `problems[i]`)."""
     if len(problems) != len(texts):
         raise ValueError(f"{len(problems)} problems but {len(texts)} groups of responses")
-    peak = str(spec.guess_peak)
+    probe = ToyProbe(peak=str(spec.guess_peak))
     out = []
     for difficulty in ("easy", "hard"):
         rows = [
@@ -94,17 +96,14 @@ def difficulty_stats(
         ]
         if not rows:
             continue
-        n_roll = guesses = peaks = correct = passed = 0
-        pair_hits = pair_total = 0
+        guesses = GuessCounts(0, 0, 0, 0, 0)
+        correct, pair_hits, pair_total = [], 0, 0
         for problem, group in rows:
             boxes = [extract_boxed(t) for t in group]
             answers = [normalize(b.content) if b else None for b in boxes]
             hits = [a is not None and a == problem.answer for a in answers]
-            n_roll += len(group)
-            guesses += sum(is_guess(t, a) for t, a in zip(group, answers))
-            peaks += sum(a == peak for a in answers)
-            correct += sum(hits)
-            passed += any(hits)
+            guesses += count_guesses(group, answers, probe)
+            correct.append(hits)
             wrong = [a for a, ok in zip(answers, hits) if a is not None and not ok]
             pair_hits += sum(wrong.count(a) - 1 for a in wrong)
             pair_total += len(group) * (len(group) - 1)
@@ -112,13 +111,14 @@ def difficulty_stats(
             DifficultyStats(
                 difficulty=difficulty,
                 problems=len(rows),
-                rollouts=n_roll,
-                guess_rate=guesses / n_roll,
-                guess_count=guesses,
+                rollouts=guesses.rollouts,
+                # over every rollout (validation's guess rates count only those with a box)
+                guess_rate=guesses.guesses / guesses.rollouts,
+                guess_count=guesses.guesses,
                 collision_rate=pair_hits / pair_total if pair_total else 0.0,
-                peak_share=peaks / n_roll,
-                avg_acc=correct / n_roll,
-                pass_at_k=passed / len(rows),
+                peak_share=guesses.peak / guesses.rollouts,
+                avg_acc=avg_at_k(correct, per="sample"),
+                pass_at_k=mean_pass_at_k(correct),
             )
         )
     return out

@@ -10,9 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from omgrpo.core.accuracy import pass_at_k
 from omgrpo.eval.checkpoints import CheckpointError, choose_checkpoint
 from omgrpo.eval.data import BenchmarkDataError, convert, final_answer, load_benchmark
-from omgrpo.eval.metrics import bootstrap_ci, majority_correct, pass_at_k, summarize
+from omgrpo.eval.metrics import bootstrap_ci, majority_correct, summarize
 from omgrpo.eval.suite import load_suite
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "benchmarks"

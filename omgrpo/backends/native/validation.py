@@ -7,8 +7,9 @@ import numpy as np
 import torch
 
 from omgrpo.backends.native.run import Run
+from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import Grader
-from omgrpo.core.diagnostics import guess_diagnostics, process_diagnostics, recovery_metrics
+from omgrpo.core.diagnostics import recovery_metrics, task_diagnostics
 from omgrpo.core.rewards import make_group
 from omgrpo.core.step import decode_responses, is_correct
 from omgrpo.generation.engine import stream_seed
@@ -43,20 +44,19 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
     difficulties = [p.meta.get("difficulty") for p in problems]
     if all(difficulties):  # toy problems: accuracy and guessing by difficulty
         for d in sorted(set(difficulties)):
-            accs = [np.mean(c) for c, pd_ in zip(correct, difficulties) if pd_ == d]
-            by_difficulty[f"val/acc_{d}"] = float(np.mean(accs))
-        per_rollout = [d for d in difficulties for _ in range(k)]
-        probe, texts = task_probe(cfg.task), responses.texts
-        by_difficulty.update(guess_diagnostics(texts, answers, per_rollout, probe, "val"))
-        questions = [p.question for p in problems for _ in range(k)]
+            by_difficulty[f"val/acc_{d}"] = avg_at_k(
+                [c for c, pd_ in zip(correct, difficulties) if pd_ == d]
+            )
+        per_rollout = [p for p in problems for _ in range(k)]
         flat = [c for ok in correct for c in ok]
+        probe = task_probe(cfg.task)
         by_difficulty.update(
-            process_diagnostics(texts, answers, questions, flat, per_rollout, probe, "val")
+            task_diagnostics(responses.texts, answers, per_rollout, flat, probe, "val")
         )
     return {
         **by_difficulty,
-        "val/acc": float(np.mean([np.mean(c) for c in correct])),
-        f"val/pass@{k}": float(np.mean([any(c) for c in correct])),
+        "val/acc": avg_at_k(correct),
+        f"val/pass@{k}": mean_pass_at_k(correct),
         "val/unique_answers": float(
             np.mean([len({c for c in g.classes if c is not None}) for g in groups])
         ),

@@ -51,6 +51,7 @@ from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import records_step, records_texts
 from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.run_store import BACKEND_NAME, RunStoreBackend, run_dir, store_config
+from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.losses import token_means, token_roles, token_stats
@@ -91,7 +92,7 @@ def validation_aliases(
 ) -> dict[str, float]:
     """`val/acc` (avg@k) and `val/pass@<k>` (share of prompts with at least one of their k
     samples correct) from the per-sample `acc` of verl's validation (`reward_extra_infos_dict`),
-    with the native trainer's definitions, averaged over data sources; k is the number of
+    as the native trainer (`omgrpo.core.accuracy`), averaged over data sources; k is the number of
     samples per prompt (the largest, should prompts differ). verl's own `best@k` is a
     bootstrap estimate with replacement, lower than pass@k, so it is not reused."""
     per_prompt: dict[tuple[str, str], list[float]] = defaultdict(list)
@@ -105,9 +106,9 @@ def validation_aliases(
         by_source[source].append(accs)
     k = max(len(accs) for accs in per_prompt.values())
     return {
-        "val/acc": float(np.mean([np.mean([np.mean(a) for a in p]) for p in by_source.values()])),
+        "val/acc": float(np.mean([avg_at_k(p) for p in by_source.values()])),
         f"val/pass@{k}": float(
-            np.mean([np.mean([max(a) > 0 for a in p]) for p in by_source.values()])
+            np.mean([mean_pass_at_k([[x > 0 for x in a] for a in p]) for p in by_source.values()])
         ),
     }
 
