@@ -1,4 +1,4 @@
-"""The console a researcher reads (issue 10): plain per-step lines in logs, a bar on a
+"""The console a researcher reads: plain per-step lines in logs, a bar on a
 terminal, warm-start progress in logs too, and no `nan` between validations."""
 
 import io

@@ -1,4 +1,5 @@
-"""Inputs are checked at load, before the first step (issue 10): dataset cell types, encoding,
+"""Inputs are checked at load, before the first step (a bad row must not
+fail a run minutes in): dataset cell types, encoding,
 empty files, every prompt's token length, and a `model.path` that is not a model."""
 
 import json

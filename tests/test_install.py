@@ -1,5 +1,5 @@
 """Installs that work away from the checkout: the wheel ships the presets, the GPU pin set
-resolves, and the README's GPU install line is the tested one (issue 26)."""
+resolves, and the README's GPU install line is the tested one."""
 
 import os
 import re

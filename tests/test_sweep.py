@@ -102,7 +102,7 @@ def test_sweeps_never_share_a_run_directory(plans):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
         assert roots.pop(f"collapse_study_v2_{part}") == {"runs/collapse-study-v2"}
     assert roots.pop("collapse_study_v3_central") == {"runs/collapse-study-v3"}
-    assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (issue 28) beside their own MV
+    assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (appendix) beside their own MV
     assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
 

@@ -1,4 +1,4 @@
-"""The guess route's mechanism per arm, from the runs' `mech/*` metrics (issue 29).
+"""The guess route's mechanism per arm, from the runs' `mech/*` metrics (study v2).
 
 The native trainer logs them with `diagnostics.mechanism_every`
 (`omgrpo.backends.native.mechanism`, docs/metrics.md). Here they become, per arm (a world's

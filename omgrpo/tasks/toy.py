@@ -13,15 +13,16 @@ the number of steps; ground truth is known exactly, which is what lets us measur
 Splits are generated from disjoint seeds and deduplicated, so train/val/test never share a
 question.
 
-Shortcut worlds (issue 14; `docs/toy-worlds.md`). The paper's collapse runs through the answer
-tokens: the policy learns to box a shared default answer ("1" in its case study) whatever the
-reasoning says, and majority voting rewards the agreement. In the faithful world above, the boxed
-answer is a copy of the last line, so there is no such route. A spec with `guess_rate_*` > 0
-gives the base one: a share of its SFT solutions (larger on hard problems, as a base guesses more
-where it cannot reason) end in ``\\boxed{g}`` with g drawn from a skewed guess prior (P(g =
-`guess_peak`) = `guess_peak_p`, else uniform), not the value the lines computed. With
-`bare_guess` such a solution is only the closing sentence, so the decision to guess sits in
-unmasked tokens. Labels always stay the true values; only the SFT text changes.
+Shortcut worlds (`docs/toy-worlds.md`), where the paper's collapse route exists. The paper's
+collapse runs through the answer tokens: the policy learns to box a shared default answer ("1"
+in its case study) whatever the reasoning says, and majority voting rewards the agreement. In
+the faithful world above, the boxed answer is a copy of the last line, so there is no such
+route. A spec with `guess_rate_*` > 0 gives the base one: a share of its SFT solutions (larger
+on hard problems, as a base guesses more where it cannot reason) end in ``\\boxed{g}`` with g
+drawn from a skewed guess prior (P(g = `guess_peak`) = `guess_peak_p`, else uniform), not the
+value the lines computed. With `bare_guess` such a solution is only the closing sentence, so the
+decision to guess sits in unmasked tokens. Labels always stay the true values; only the SFT text
+changes.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ The paper's appendix "Direct Process-Quality Evaluation" scores reasoning ReCEva
 LLM judge: are the steps correct, do they move toward the result (informativeness), does the
 final answer follow from them (support). In the toy world every step is a line `a op b = c` and
 the problem's chain is known, so each can be counted. The same reading splits the guess rate into
-its kinds (issue 29): a box that is not the value the reasoning computed last is a truncated copy
-("1" for 152: the answer stopped early), a copy error (one digit off), a consequence of a
-malformed line, or a guess from the prior.
+its kinds, which tell how the guess route works: a box that is not the value the reasoning computed
+last is a truncated copy ("1" for 152: the answer stopped early), a copy error (one digit off), a
+consequence of a malformed line, or a guess from the prior.
 """
 
 from __future__ import annotations

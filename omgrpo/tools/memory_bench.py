@@ -54,7 +54,7 @@ from types import SimpleNamespace
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "model_configs"
 BACKBONES = ("qwen3-1.7b-base", "llama-3.2-3b-instruct", "qwen2.5-7b")
-TARGET = 0.25  # issue 25: measured peak within 25 % of the plan
+TARGET = 0.25  # the planner's accuracy goal: measured peak within 25 % of the plan
 MMAP_THRESHOLD = 16384
 
 

@@ -263,7 +263,7 @@ def test_tables(synth):
     assert isinstance(T.all_tables(synth)["overhead"], T.Table)
 
 
-# -- honest seed statistics (issue 10) ---------------------------------------------------------
+# -- honest seed statistics (intervals over seeds) ------------------------------------------
 def _spread(df: pd.DataFrame, metric: str, by_seed: dict[int, float]) -> pd.DataFrame:
     """`metric` of every row set to a per-seed constant, for bands of a known width."""
     out = df.copy()
@@ -685,7 +685,7 @@ def test_what_happened_and_the_summary_name_a_hacked_run():
     ],
 )
 def test_old_runs_literal_pass_at_k_is_read_as_pass_at_their_k(tmp_path, config, column):
-    """verl runs before issue 24 logged `val/pass@k`; both backends now log `val/pass@<k>`."""
+    """Older verl runs logged `val/pass@k` literally; both backends now log `val/pass@<k>`."""
     store = RunStore(tmp_path / "old_verl_run")
     store.write_config({"run": {"name": "old", "experiment": "paper"}, "seed": 0, **config})
     store.log_metrics(0, {"train/step": 0, "val/acc": 0.5, "val/pass@k": 0.75})
@@ -696,7 +696,7 @@ def test_old_runs_literal_pass_at_k_is_read_as_pass_at_their_k(tmp_path, config,
 
 
 def test_old_car_runs_top_vote_columns_get_todays_names(tmp_path):
-    """Before issue 24 a CAR step logged the pool's vote as `answers/top_vote_acc` and the
+    """Older CAR runs logged the pool's vote as `answers/top_vote_acc` and the
     rollouts' as `car/top_vote_acc_without_car`; a step without CAR keeps its value."""
     store = RunStore(tmp_path / "old_car_run")
     store.write_config({"run": {"name": "old", "experiment": "toy"}, "seed": 0})

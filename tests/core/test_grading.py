@@ -1,5 +1,6 @@
-"""Exact, bounded grading (issue 10): exact values, the decimal rule, property tests over
-spellings, linear-time normalisation and the per-step grading budget."""
+"""Exact, bounded grading (a grader that merges two answers corrupts every vote): exact values, the
+decimal rule, property tests over spellings, linear-time normalisation and the per-step grading
+budget."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def no_worker():
         yield
 
 
-# ------------------------------------------------------------------ issue 10's grader rows
+# ------------------------------------------ answers an earlier grader merged or stalled on
 
 
 @pytest.mark.parametrize(

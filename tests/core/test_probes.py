@@ -1,4 +1,4 @@
-"""The gradient probe and the shuffled-advantage null control (issue 14 diagnostics)."""
+"""The gradient probe and the shuffled-advantage null control (the collapse study's diagnostics)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def test_registry_has_every_paper_reward():
         "self_certainty",
         "entropy",
         "coreward",
-        "process",  # the PRM baselines of the appendix (issue 28)
+        "process",  # the PRM baselines of the appendix
     }
 
 

@@ -1,6 +1,6 @@
-"""A run is an identity, not a path (issue 27): its UUID, kept in the run store, decides which
-MLflow runs a start supersedes and which W&B run it writes; the standard MLflow / W&B
-environment variables select the trackers; experiment creation survives a race. Real
+"""A run is an identity, not a path (two machines may train the same path): its UUID, kept in the
+run store, decides which MLflow runs a start supersedes and which W&B run it writes; the standard
+MLflow / W&B environment variables select the trackers; experiment creation survives a race. Real
 backends: a SQLite MLflow store and offline W&B runs."""
 
 from __future__ import annotations

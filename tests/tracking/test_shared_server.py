@@ -1,5 +1,5 @@
-"""Many agents, one MLflow server (issue 27): a real `mlflow server` on 127.0.0.1, started,
-killed, restarted and stopped by the test; `omgrpo train` processes that find it through
+"""Many agents, one MLflow server, nothing lost or overwritten: a real `mlflow server` on 127.0.0.1,
+started, killed, restarted and stopped by the test; `omgrpo train` processes that find it through
 $MLFLOW_TRACKING_URI and $MLFLOW_EXPERIMENT_NAME alone, and `omgrpo sync` afterwards."""
 
 from __future__ import annotations

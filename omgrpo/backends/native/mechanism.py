@@ -1,4 +1,4 @@
-"""How a step moves the answer "1" (issue 29): the guess route's mechanism, measured natively.
+"""How a step moves the answer "1": the guess route's mechanism (study v2), measured natively.
 
 `MechanismProbe.measure` runs before a step's update at step 1 (the base) and every
 `diagnostics.mechanism_every` steps; it leaves the training trajectory unchanged (its samples

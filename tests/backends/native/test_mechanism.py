@@ -1,4 +1,4 @@
-"""The mechanism probe (issue 29): each measurement against a plain computation on a random
+"""The mechanism probe (study v2): each measurement against a plain computation on a random
 toy model, the split update against the trainer's real update, and a tiny run."""
 
 import copy

@@ -1,4 +1,5 @@
-"""Real verl 0.9.1 training steps of omgrpo's plugin, on the CPU (issue 13).
+"""Real verl 0.9.1 training steps of omgrpo's plugin, on the CPU (the pieces' tests cannot see a
+mask or metric lost between verl's processes).
 
 `omgrpo train backend=verl` runs in a fresh process with verl's own trainer, Ray, FSDP2 workers,
 TransferQueue and agent loop; the test-only harness (`tests/verl_cpu/`) adds only what verl lacks
@@ -148,9 +149,9 @@ def tiny_prm(base: Path, out: Path) -> Path:
 
 
 def test_prm_one_step(setup, tmp_path, metric_table):
-    """One step of `method=prm` (issue 28): the PRM actor loads the checkpoint on the CPU, the
-    agent loop's groups get the process reward (+ format), and the PRM's diagnostics reach
-    verl's log under the native names."""
+    """One step of `method=prm` (the appendix's PRM baselines): the PRM actor loads the
+    checkpoint on the CPU, the agent loop's groups get the process reward (+ format), and the
+    PRM's diagnostics reach verl's log under the native names."""
     prm = tiny_prm(setup[0], tmp_path / "prm")
     extra = [
         "method=prm",
