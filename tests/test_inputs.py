@@ -1,6 +1,6 @@
-"""Inputs are checked at load, before the first step (a bad row must not
-fail a run minutes in): dataset cell types, encoding,
-empty files, every prompt's token length, and a `model.path` that is not a model."""
+"""Inputs are checked at load, before the first step (a bad row must not fail a run minutes in):
+dataset cell types, encoding, empty files, every prompt's token length, and a `model.path` that
+is not a model."""
 
 import json
 
