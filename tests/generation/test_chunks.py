@@ -60,6 +60,24 @@ def _sample(model, tok, prompts, n, **kw):
     )
 
 
+def _seed_where(ok, first: int = 7, tries: int = 50) -> int:
+    """The first seed from `first` for which `ok(seed)` holds. Which rows a seed draws depends on
+    the random model's weights (the transformers version's initialisation), so a property of
+    one seed's rows (e.g. about 2 seeds in 3 give 6 distinct rows, some ending early and some
+    at the budget) is luck; some seed among 50 has it whatever the weights."""
+    for seed in range(first, first + tries):
+        if ok(seed):
+            return seed
+    raise AssertionError(f"no seed in {first}..{first + tries - 1} gives the rows this test needs")
+
+
+def _ragged(seqs: Sequences) -> bool:
+    """Rows that all differ and end at different steps, some at the budget."""
+    lengths = seqs.response_mask.sum(-1)
+    rows = {tuple(r) for r in seqs.response_ids.tolist()}
+    return len(rows) == len(lengths) and bool(lengths.min() < lengths.max() == NEW)
+
+
 def _equal(a: Sequences, b: Sequences) -> bool:
     return all(
         torch.equal(x, y)
@@ -88,14 +106,19 @@ def test_chunks_of_1_3_and_all_rows_give_the_same_rows(monkeypatch, lean, temper
     monkeypatch.setattr(engine, "lean_decoding_supported", lambda m: lean)
     model, tok = _model()
     prompts, n = _prompts(tok), 2
-    whole = _sample(model, tok, prompts, n, temperature=temperature)
+    seed = 7
+    if temperature > 0:  # a seed whose rows differ and stop at different steps
+        seed = _seed_where(lambda s: _ragged(_sample(model, tok, prompts, n, seed=s)))
+    whole = _sample(model, tok, prompts, n, temperature=temperature, seed=seed)
     if temperature > 0:
         assert len({tuple(r) for r in whole.response_ids.tolist()}) == 6  # rows differ
         lengths = whole.response_mask.sum(-1)
         assert lengths.min() < lengths.max() == NEW  # some rows stopped early
     logprobs = response_logprobs(model, whole)["logprobs"]
     for rows in (1, 3, 6):  # 3 rows: one prompt's 2 rows per chunk
-        chunked = _sample(model, tok, prompts, n, temperature=temperature, batch_size=rows)
+        chunked = _sample(
+            model, tok, prompts, n, temperature=temperature, batch_size=rows, seed=seed
+        )
         assert _equal(whole, chunked), rows
         assert torch.equal(response_logprobs(model, chunked)["logprobs"], logprobs)
         # each chunk scored in its own (narrower) padding: equal up to float round-off
@@ -130,13 +153,17 @@ def test_a_seed_fixes_the_rows_and_none_draws_from_the_global_rng():
 def test_a_growing_cache_gives_the_preallocated_caches_rows(monkeypatch):
     model, tok = _model()
     prompts = _prompts(tok)
-    whole = _sample(model, tok, prompts, 3)
+    # a seed where some row runs to the budget, so the cache grows to its full length
+    seed = _seed_where(
+        lambda s: _sample(model, tok, prompts, 3, seed=s).response_mask.sum(-1).max() == NEW
+    )
+    whole = _sample(model, tok, prompts, 3, seed=seed)
     assert whole.response_mask.sum(-1).max() == NEW
     monkeypatch.setattr(engine, "GROW_FROM", 1)  # grows at tokens 1, 2, 4 and 8
     grown = []
     real_grow = engine._LeanKV._grow
     monkeypatch.setattr(engine._LeanKV, "_grow", lambda kv, i: grown.append(i) or real_grow(kv, i))
-    assert _equal(whole, _sample(model, tok, prompts, 3))
+    assert _equal(whole, _sample(model, tok, prompts, 3, seed=seed))
     assert grown.count(0) == 4  # layer 0 grew from 1 to 2, 4, 8 and 10 tokens
 
 
@@ -198,12 +225,18 @@ def test_car_answers_do_not_depend_on_the_chunks():
     sols = ["2+2 = \\boxed{4}", "2+2 = 5, so \\boxed{5}", "\\boxed{4}"]
     groups = [("What is 2+2?", sols)]  # 3 anchors of 2 pairs
     cfg = CarConfig(temperature=1.0, max_new_tokens=5, chunk_pairs=100)
-    whole = generate_pair_answers(model, tok, groups, cfg, rng=0, seed=3)
+
+    def answers(seed, cfg=cfg, **kw):
+        return generate_pair_answers(model, tok, groups, cfg, rng=0, seed=seed, **kw)
+
+    # a seed whose 6 pair answers are not mostly alike (3 to 27 % of seeds are, by the weights)
+    seed = _seed_where(lambda s: len({t for g in answers(s).texts for t in g}) > 3, first=3)
+    whole = answers(seed)
     assert len({t for g in whole.texts for t in g}) > 3
     for pairs in (1, 4):  # anchors split; two whole anchors then one
         chunked = CarConfig(temperature=1.0, max_new_tokens=5, chunk_pairs=pairs)
-        assert generate_pair_answers(model, tok, groups, chunked, rng=0, seed=3) == whole
-    small = generate_pair_answers(model, tok, groups, cfg, rng=0, seed=3, max_batch_tokens=1)
+        assert answers(seed, chunked) == whole
+    small = answers(seed, max_batch_tokens=1)
     assert small == whole
 
 
