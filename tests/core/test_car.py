@@ -150,11 +150,17 @@ def test_prompt_is_the_papers_template():
 # -- generation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_prefix_sharing_matches_the_plain_path_under_greedy_decoding(num_layers):
-    model, tok = random_toy_model(num_layers, seed=num_layers)
     groups = [(QUESTION, SOLUTIONS), ("What is 2+2?", SOLUTIONS[1:])]
     # chunk_pairs=5: chunks hold whole anchors from different groups and of different sizes
     cfg = CarConfig(temperature=0.0, max_new_tokens=6, chunk_pairs=5, max_solution_tokens=30)
-    shared = generate_pair_answers(model, tok, groups, cfg, rng=1)
+    # The pair prompts end alike, and for most random weights (10 of 16 seeds) all 18 greedy
+    # answers are the same text: the model is the first from seed `num_layers` whose answers
+    # differ (which seeds do depends on the transformers version's initialisation).
+    for seed in range(num_layers, num_layers + 50):
+        model, tok = random_toy_model(num_layers, seed=seed)
+        shared = generate_pair_answers(model, tok, groups, cfg, rng=1)
+        if len({t for g in shared.texts for t in g}) > 1:
+            break
     plain = generate_pair_answers_plain(model, tok, groups, cfg, rng=1)
     assert shared.pairs == plain.pairs == [enumerate_pairs(4), enumerate_pairs(3)]
     assert shared.texts == plain.texts
