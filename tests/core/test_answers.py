@@ -77,9 +77,9 @@ def test_extract_boxed_ignores_longer_command_names() -> None:
 
 def test_extract_boxed_is_fast_on_long_text() -> None:
     text = ("word { \\{ } " * 20_000) + "\\boxed{" + "{" * 5000 + "}" * 5000 + "}"
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the work done, not how busy the machine is
     box = extract_boxed(text)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
     assert box is not None and box.content == "{" * 5000 + "}" * 5000
 
 

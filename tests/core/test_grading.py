@@ -301,9 +301,9 @@ def test_values_match_is_exact_without_a_decimal(x: Fraction, y: Fraction) -> No
     ],
 )
 def test_normalize_is_fast_on_pathological_input(text: str) -> None:
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the work done, not how busy the machine is
     once = normalize(text)
-    assert time.perf_counter() - t0 < 0.5
+    assert time.process_time() - t0 < 0.5
     assert normalize(once) == once
 
 
