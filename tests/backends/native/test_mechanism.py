@@ -263,8 +263,14 @@ def test_probe_needs_adamw():
 
 @pytest.mark.slow
 def test_a_run_logs_the_mechanism_and_keeps_its_trajectory(tiny_overrides, metric_table):
-    common = [*tiny_overrides, "trainer.steps=2", "eval.every=0"]
+    # Self-Certainty beside OM-GRPO's reward: a continuous part, so every group has reward
+    # spread and both steps update the weights whatever the barely trained base answers (with
+    # the vote and format parts alone it earned 0 everywhere on some machines: nothing trained,
+    # and a probe that disturbed the update could not show)
+    parts = "reward.parts=[soft_vote,format,self_certainty]"
+    common = [*tiny_overrides, "trainer.steps=2", "eval.every=0", parts]
     plain = RunStore(train(compose([*common, "run.name=plain"]))).read_metrics()
+    assert (plain["grad/norm"] > 0).all()  # both steps updated the weights
     probed = RunStore(
         train(compose([*common, "run.name=probed", "diagnostics.mechanism_every=1"]))
     ).read_metrics()
