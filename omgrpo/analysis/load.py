@@ -98,7 +98,7 @@ class NoRunsError(FileNotFoundError):
 # -- discovering run directories ---------------------------------------------------------------
 def is_run_dir(path: Path) -> bool:
     path = Path(path)
-    return (path / "config.yaml").is_file() and (path / "metrics.jsonl").is_file()
+    return (path / "config.yaml").is_file() and RunStore(path).has_metrics()  # or compacted
 
 
 _SKIP_DIRS = {"checkpoints", "rollouts", "wandb", ".hydra", "mlruns", "mlartifacts", "figures"}

@@ -2,6 +2,9 @@
 
 config.yaml            resolved config of the run
 metrics.jsonl          one JSON object per step (`train/step` plus every metric)
+metrics.jsonl.xz       the same bytes xz-compressed, in place of metrics.jsonl (`compact_metrics`,
+                       `omgrpo compact`: the form the committed studies under reports/ keep);
+                       every reader takes either, training expands it back before appending
 rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, advantage, ...)
 checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
 status.json            running / finished / failed / killed, the last step that completed
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import lzma
 import os
 import shutil
 import traceback
@@ -40,12 +44,15 @@ DONE_STATES = ("finished", "collapsed")
 and `omgrpo sweep` skip such a run instead of training it again."""
 RESUME_CHOICES = (True, False, "auto")
 """The values of `run.resume` (`start_mode`)."""
+METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.xz")
+"""A run's metrics, as training writes them and compacted (`RunStore.compact_metrics`)."""
 
 
 class RunStore:
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir)
-        self.metrics_path = self.dir / "metrics.jsonl"
+        self.metrics_path = self.dir / METRICS_FILES[0]
+        self.compact_metrics_path = self.dir / METRICS_FILES[1]
         self.rollouts_dir = self.dir / "rollouts"
         self.checkpoints_dir = self.dir / "checkpoints"
 
@@ -61,7 +68,11 @@ class RunStore:
         return yaml.safe_load(path.read_text())
 
     def has_progress(self) -> bool:
-        return self.metrics_path.exists() or self.checkpoints_dir.exists()
+        return self.has_metrics() or self.checkpoints_dir.exists()
+
+    def has_metrics(self) -> bool:
+        """metrics.jsonl or its compact form is here."""
+        return self.metrics_path.is_file() or self.compact_metrics_path.is_file()
 
     def start_mode(self, resume: bool | str) -> str:
         """What a training run started with `run.resume=resume` does with this run directory:
@@ -86,6 +97,7 @@ class RunStore:
     def log_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"train/step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._expand_metrics()
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -95,10 +107,11 @@ class RunStore:
         return pd.DataFrame([{"train/step": step, **row} for step, row in self.metric_rows()])
 
     def metric_rows(self, up_to: int | None = None) -> list[tuple[int, dict[str, Any]]]:
-        """(step, metrics) per line of metrics.jsonl, as written (a row keeps only the metrics
-        it has), steps <= `up_to` if given. A half-written last line (a run killed mid-write)
-        is skipped; any other invalid line raises, naming the file and line."""
-        lines = self.metrics_path.read_text().splitlines() if self.metrics_path.exists() else []
+        """(step, metrics) per line of metrics.jsonl (or of its compact form), as written (a
+        row keeps only the metrics it has), steps <= `up_to` if given. A half-written last line
+        (a run killed mid-write) is skipped; any other invalid line raises, naming the file and
+        line."""
+        source, lines = self._metric_lines()
         rows = []
         for lineno, line in enumerate(lines):
             if not line.strip():
@@ -107,15 +120,55 @@ class RunStore:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 if lineno != len(lines) - 1:
-                    raise ValueError(f"{self.metrics_path}, line {lineno + 1}: invalid JSON") from e
+                    raise ValueError(f"{source}, line {lineno + 1}: invalid JSON") from e
                 continue
             step = int(row.pop("train/step", lineno))
             if up_to is None or step <= up_to:
                 rows.append((step, row))
         return rows
 
+    def _metric_lines(self) -> tuple[Path, list[str]]:
+        """The metrics file read (metrics.jsonl, else metrics.jsonl.xz) and its lines."""
+        if self.metrics_path.exists():
+            return self.metrics_path, self.metrics_path.read_text().splitlines()
+        if self.compact_metrics_path.exists():
+            text = lzma.decompress(self.compact_metrics_path.read_bytes()).decode()
+            return self.compact_metrics_path, text.splitlines()
+        return self.metrics_path, []
+
+    def compact_metrics(self) -> bool:
+        """Replace metrics.jsonl by metrics.jsonl.xz, its bytes xz-compressed (about 7x smaller;
+        `xz -dk` restores the file): the form a finished run is committed in. Every reader
+        takes either form; training that continues the run expands it back first. Returns
+        whether metrics.jsonl was replaced (False: there was none). Deterministic: the same
+        metrics give the same bytes."""
+        if not self.metrics_path.exists():
+            return False
+        data = self.metrics_path.read_bytes()
+        old = self.compact_metrics_path
+        if not (old.exists() and lzma.decompress(old.read_bytes()) == data):
+            packed = lzma.compress(data, preset=9 | lzma.PRESET_EXTREME)
+            if lzma.decompress(packed) != data:  # never drop metrics on a faulty round trip
+                raise OSError(f"{self.metrics_path}: xz round trip changed the metrics; kept")
+            tmp = self.dir / f".{METRICS_FILES[1]}.{os.getpid()}.tmp"
+            tmp.write_bytes(packed)
+            tmp.replace(self.compact_metrics_path)
+        self.metrics_path.unlink()  # after the compact form is complete: a kill loses nothing
+        return True
+
+    def _expand_metrics(self) -> None:
+        """Before metrics.jsonl is written: a compacted run's rows back into metrics.jsonl."""
+        if not self.compact_metrics_path.exists():
+            return
+        if not self.metrics_path.exists():  # both: a compaction was cut short; plain is whole
+            tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
+            tmp.write_bytes(lzma.decompress(self.compact_metrics_path.read_bytes()))
+            tmp.replace(self.metrics_path)
+        self.compact_metrics_path.unlink()
+
     def truncate_metrics(self, last_step: int) -> None:
         """Drop rows after `last_step` (a resumed run recomputes them)."""
+        self._expand_metrics()
         if not self.metrics_path.exists():
             return
         keep = []
