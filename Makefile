@@ -151,8 +151,9 @@ study: $(VENV)/.installed-base
 # The v2 study's calibration (reports/collapse-study-v2/CALIBRATION-PREREGISTRATION.md): the
 # two controls (GT, shuffled-advantage null) per candidate setting and seed, 2 runs at a time
 # on one thread each, resumable (finished runs are skipped, killed ones continue from their
-# newest checkpoint). After each pair, the finished runs' compact results (metrics.jsonl,
-# config.yaml, status.json, provenance.json; no checkpoints) are copied to CALIB_COPY.
+# newest checkpoint). After each pair, the finished runs' compact results (metrics.jsonl, xz-
+# compressed by `omgrpo compact`; config.yaml, status.json, provenance.json; no checkpoints) are
+# copied to CALIB_COPY.
 CALIB_SEEDS ?= 0 1 2
 CALIB_CANDIDATES ?= calib_v2_a calib_v2_b calib_v2_c
 CALIB_RUNS ?= runs/collapse-calibration
@@ -165,14 +166,15 @@ calibration: $(VENV)/.installed-base
 	  for d in $(CALIB_RUNS)/calib_v2_*__*; do \
 	    [ -d "$$d" ] && grep -q '"finished"' "$$d/status.json" 2>/dev/null || continue; \
 	    mkdir -p $(CALIB_COPY)/$$(basename $$d); \
-	    cp $$d/metrics.jsonl $$d/config.yaml $$d/status.json $$d/provenance.json $(CALIB_COPY)/$$(basename $$d)/; \
-	  done; done; done
+	    cp $$d/metrics.jsonl* $$d/config.yaml $$d/status.json $$d/provenance.json $(CALIB_COPY)/$$(basename $$d)/; \
+	  done; $(OMGRPO) compact $(CALIB_COPY); done; done
 
 # The collapse study v2 (reports/collapse-study-v2/PREREGISTRATION-v2.md): resumable across
 # machines. The finished runs' compact results committed under STUDY2_COPY are copied into
 # STUDY2_RUNS first (so the sweeps skip them); killed runs continue from their newest checkpoint;
-# after each sweep the finished runs' compact results (metrics.jsonl, config.yaml, status.json,
-# provenance.json, identity.json; no checkpoints or rollouts) are copied to STUDY2_COPY. Central:
+# after each sweep the finished runs' compact results (metrics.jsonl, xz-compressed by `omgrpo
+# compact`; config.yaml, status.json, provenance.json, identity.json; no checkpoints or
+# rollouts) are copied to STUDY2_COPY. Central:
 # per seed, both bases (the shipped one, and warm-start seed 1 as toy_shortcut_base1);
 # secondary and worlds: seeds 3 and 4. 2 runs at a time on one thread each, e.g.
 #   make study-v2 STUDY2_SEEDS="3 4" STUDY2_PARTS=central
@@ -191,8 +193,8 @@ study-v2: $(VENV)/.installed-base
 	@start=$$(date +%s); mkdir -p $(STUDY2_RUNS) $(STUDY2_COPY); cp -Rn $(STUDY2_COPY)/. $(STUDY2_RUNS)/; \
 	copy() { for d in $(STUDY2_RUNS)/*__*__s*; do \
 	  grep -qs '"finished"' "$$d/status.json" || continue; mkdir -p $(STUDY2_COPY)/$$(basename $$d); \
-	  cp $$d/metrics.jsonl $$d/config.yaml $$d/status.json $$d/provenance.json $$d/identity.json \
-	    $(STUDY2_COPY)/$$(basename $$d)/; done; }; \
+	  cp $$d/metrics.jsonl* $$d/config.yaml $$d/status.json $$d/provenance.json $$d/identity.json \
+	    $(STUDY2_COPY)/$$(basename $$d)/; done; $(OMGRPO) compact $(STUDY2_COPY); }; \
 	for part in $(STUDY2_PARTS); do case $$part in \
 	  central) for seed in $(STUDY2_SEEDS); do \
 	    $(OMGRPO) sweep $(STUDY2_SWEEPS)_central.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; \
