@@ -18,6 +18,12 @@ from omgrpo.backends.native.trainer import train
 from omgrpo.config import compose
 from omgrpo.tracking.store import RunStore
 
+# Self-Certainty beside OM-GRPO's vote and format parts: a continuous reward, so every group
+# has reward spread and every step updates the weights and the optimizer state a resume must
+# restore (the 5-step tiny base earns the vote and format parts 0 everywhere on some machines:
+# nothing trains, and a resume that lost the weights or the optimizer state still matched)
+SPREAD = "reward.parts=[soft_vote,format,self_certainty]"
+
 
 def _snapshot(run_dir: Path) -> dict[str, tuple[int, bytes]]:
     """Every file of a run directory: (mtime in ns, content)."""
@@ -65,9 +71,10 @@ def test_start_mode_refuses_false_and_unknown_values(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("state", ["running", "killed", "failed"])
 def test_auto_resumes_an_unfinished_run_bit_exact_with_its_identity(tiny_overrides, state):
-    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=2"]
+    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=2", SPREAD]
     assert compose(common).run.resume == "auto"  # the default
     reference = train(compose([*common, "run.name=reference"]))
+    assert all(logged_values(reference)[s]["grad/norm"] > 0 for s in (1, 2, 3, 4))  # it trained
     run_dir = train(compose([*common, "run.name=cut"]), stop_after=3)  # checkpoint at 2
     if state != "running":  # stop_after leaves `running`, as a kill -9 does
         _set_state(run_dir, state)

@@ -30,6 +30,12 @@ from omgrpo.tracking.store import RunStore
 
 pytestmark = pytest.mark.slow
 
+# Self-Certainty beside OM-GRPO's vote and format parts: a continuous reward, so every group
+# has reward spread and every step updates the weights and the optimizer state a resume must
+# restore (the 5-step tiny base earns the vote and format parts 0 everywhere on some machines:
+# nothing trains, and a resume that lost the weights or the optimizer state still matched)
+SPREAD = "reward.parts=[soft_vote,format,self_certainty]"
+
 
 def _train_cli(overrides: list[str]) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -48,6 +54,7 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
         "trainer.threads=1",
         "tracking.mlflow=true",
         "tracking.wandb=true",
+        SPREAD,
     ]
     root = tmp_path / "runs"
     # The reference: the same run, uninterrupted (trackers do not change training).
@@ -56,6 +63,7 @@ def test_sigkill_mid_step_then_resume_trackers_show_each_step_once(tiny_override
     )
     expected = logged_values(reference)
     assert sorted(expected) == list(range(9))
+    assert all(expected[s]["grad/norm"] > 0 for s in range(1, 9))  # every step trained
 
     run_dir = root / "killed"
     proc = _train_cli([*common, "run.name=killed"])
@@ -133,8 +141,9 @@ def _wandb_history(path: Path, timeout: float = 30) -> list[dict]:
 
 
 def test_truncated_latest_checkpoint_is_named_and_resume_falls_back(tiny_overrides):
-    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=1", "run.name=trunc"]
-    reference = train(compose([*tiny_overrides, "trainer.steps=4", "run.name=reference"]))
+    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=1", "run.name=trunc", SPREAD]
+    reference = train(compose([*tiny_overrides, "trainer.steps=4", "run.name=reference", SPREAD]))
+    assert all(logged_values(reference)[s]["grad/norm"] > 0 for s in (1, 2, 3, 4))  # it trained
     run_dir = train(compose(common), stop_after=3)  # checkpoints at 2 and 3 (keep 2)
     latest = run_dir / "checkpoints" / "step_000003" / "state.pt"
     latest.write_bytes(latest.read_bytes()[: latest.stat().st_size // 2])  # a full disk

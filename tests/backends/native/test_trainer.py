@@ -18,6 +18,12 @@ pytestmark = pytest.mark.slow
 
 VOLATILE = ("time/", "mem/", "perf/")
 
+# Self-Certainty beside OM-GRPO's vote and format parts: a continuous reward, so every group
+# has reward spread and every step updates the weights and the optimizer state a resume must
+# restore (the 5-step tiny base earns the vote and format parts 0 everywhere on some machines:
+# nothing trains, and a resume that lost the weights or the optimizer state still matched)
+SPREAD = "reward.parts=[soft_vote,format,self_certainty]"
+
 
 def _metrics(run_dir):
     df = RunStore(run_dir).read_metrics()
@@ -25,7 +31,7 @@ def _metrics(run_dir):
 
 
 def test_resume_continues_a_killed_run_exactly(tiny_overrides):
-    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=2"]
+    common = [*tiny_overrides, "trainer.steps=4", "trainer.save_every=2", SPREAD]
     full = train(compose([*common, "run.name=full"]))
     killed = train(compose([*common, "run.name=killed"]), stop_after=3)  # dies after step 3
     assert RunStore(killed).latest_checkpoint().name == "step_000002"
@@ -33,6 +39,7 @@ def test_resume_continues_a_killed_run_exactly(tiny_overrides):
     assert resumed == killed
     a, b = _metrics(full), _metrics(resumed)
     assert list(a["train/step"]) == [0, 1, 2, 3, 4]
+    assert (a["grad/norm"].dropna() > 0).all() and a["grad/norm"].count() == 4  # it trained
     pd.testing.assert_frame_equal(a, b)
     assert RunStore(resumed).read_status()["state"] == "finished"
 
