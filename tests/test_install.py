@@ -21,6 +21,12 @@ GPU_INSTALL = f'pip install -e ".[{",".join(EXTRAS)}]" -c {CONSTRAINTS}'
 """What `make setup-gpu` runs, the README shows and the resolver test resolves."""
 # The packages verl 0.9.1's `verl[vllm]` extra pins, the GPU set it was tested with.
 VERL_GPU_PINS = ("torch", "torchvision", "torchaudio", "vllm", "transformers")
+WHEEL_SOURCES = {"pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "omgrpo",
+                 "experiments"}  # fmt: skip
+"""The top-level files and folders setuptools reads to build the wheel: the metadata, setup.py's
+presets hook (experiments/), MANIFEST.in, the readme and license the metadata names, the
+package (its toy bases as package data). The rest of the tree (reports/, tests/, docs/, ...)
+is not copied for the build."""
 
 
 def _clean_env() -> dict[str, str]:
@@ -41,8 +47,9 @@ def _pins(path: Path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_wheel_ships_the_presets_and_composes_them_outside_the_repo(tmp_path):
-    """Build the wheel from a copy of the tracked files, install it into a fresh venv and compose
-    a preset from a folder outside the repository with the installed package.
+    """Build the wheel from a copy of the package's tracked files (`WHEEL_SOURCES`), install it
+    into a fresh venv and compose a preset from a folder outside the repository with the
+    installed package.
 
     The venv has no dependencies of its own: a `.pth` file puts this interpreter's
     site-packages (torch, hydra, ...) after the venv's, and the wheel is installed with
@@ -59,7 +66,7 @@ def test_wheel_ships_the_presets_and_composes_them_outside_the_repo(tmp_path):
         pytest.skip(
             f"not a git checkout (the wheel is built from its tracked files): {listing.stderr}"
         )
-    files = [name for name in listing.stdout.split("\0") if name]
+    files = [name for name in listing.stdout.split("\0") if name.split("/")[0] in WHEEL_SOURCES]
     for name in files:  # a copy: an in-tree build would leave build/ and *.egg-info behind
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
