@@ -74,6 +74,7 @@ def test_no_bar_means_lines_even_on_a_terminal_and_every_0_means_none():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_training_log_file_has_per_step_and_warm_start_lines(tmp_path, tiny_overrides):
     """`omgrpo train > file`: a line per step (trainer.log_every=1) and the warm start's
     progress, no `nan`, no carriage-return bars."""

@@ -46,6 +46,7 @@ def _pins(path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_wheel_ships_the_presets_and_composes_them_outside_the_repo(tmp_path):
     """Build the wheel from a copy of the package's tracked files (`WHEEL_SOURCES`), install it
     into a fresh venv and compose a preset from a folder outside the repository with the
@@ -133,6 +134,7 @@ def test_readme_and_makefile_install_the_tested_gpu_set():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_gpu_pin_set_resolves(tmp_path):
     """uv's resolver accepts omgrpo's `dev` + `gpu` extras under constraints/gpu.txt for Linux
     x86_64 and this Python. It reads package metadata only (the registry's, or the wheel's

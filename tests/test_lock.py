@@ -122,6 +122,7 @@ def test_the_running_environment_is_the_locked_one():
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 def test_lock_resolves_again_to_the_same_pins(tmp_path):
     """uv, at the lock's cut-off date, resolves pyproject.toml + lock.in to exactly lock.txt's
     pins: the lock is a resolver's output, not a hand edit. Skips when uv is missing or the

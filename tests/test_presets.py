@@ -81,6 +81,7 @@ def test_every_preset_file_says_what_it_is(group):
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 @pytest.mark.parametrize("method", METHODS)
+@pytest.mark.slow
 def test_every_method_composes_at_every_scale(method, experiment):
     cfg = _compose(experiment, method)
     assert cfg.method == method
@@ -123,6 +124,7 @@ def test_paper_presets_have_the_papers_hyperparameters(experiment):
 
 
 @pytest.mark.parametrize("experiment", PAPER)
+@pytest.mark.slow
 def test_paper_presets_need_a_model_path(experiment):
     # `model.path: ???` documents the requirement (OmegaConf keeps the schema's null when
     # merging ???); without a path the trainer refuses to build the toy model for task files.
@@ -161,6 +163,7 @@ def test_command_line_overrides_still_win_over_presets():
     assert cfg.car.enable is True
 
 
+@pytest.mark.slow
 def test_only_the_null_control_shuffles_advantages():
     for method in METHODS:
         cfg = _compose("toy", method)

@@ -75,6 +75,7 @@ def plans():
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_RUNS))
+@pytest.mark.slow
 def test_every_expanded_run_composes(name, plans):
     grid = expand_grid(load_sweep(SWEEPS / f"{name}.yaml"))
     runs = plans[name]
@@ -88,6 +89,7 @@ def test_every_expanded_run_composes(name, plans):
         assert run.overrides[: len(combo)] == combo
 
 
+@pytest.mark.slow
 def test_sweeps_never_share_a_run_directory(plans):
     """The paper's sweep files write under run.root=runs (one MLflow store): names must not
     collide, or a W&B agent's second run of a name would find the first one's directory. The
@@ -107,6 +109,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     assert set.union(*roots.values()) == {"runs"}
 
 
+@pytest.mark.slow
 def test_run_group_defaults_to_the_sweep_file_name(tmp_path):
     path = tmp_path / "my_study.yaml"
     path.write_text(
@@ -186,6 +189,7 @@ def test_cli_reports_a_malformed_sweep(tmp_path, capsys):
     assert "bad_sweep.yaml" in err and "parameters.seed" in err
 
 
+@pytest.mark.slow
 def test_finished_runs_are_skipped_and_partial_ones_resumed(tmp_path):
     runs = plan_runs(SWEEPS / "ttt.yaml", [f"run.root={tmp_path}"])
     (tmp_path / runs[0].name).mkdir()
@@ -214,6 +218,7 @@ def _tiny_sweep(tmp_path: Path, tiny_overrides: list[str], steps: int = 2) -> Pa
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys):
     cache = tmp_path / "fresh-cache"  # no base yet: the sweep must train it once, up front
     tiny_overrides = [o for o in tiny_overrides if not o.startswith("model.cache_dir=")]
@@ -255,6 +260,7 @@ def test_sweep_end_to_end_parallel_then_skipped(tmp_path, tiny_overrides, capsys
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
     path = tmp_path / "broken.yaml"
     # task=files without files composes, then fails in the trainer
@@ -281,6 +287,7 @@ def test_failed_runs_do_not_stop_the_others(tmp_path, capsys):
         assert "task.train_path" in log.read_text()
 
 
+@pytest.mark.slow
 def test_the_demo_is_the_v2_studys_central_comparison():
     """`make demo` runs the v2 study's null, MV and OM-GRPO (paper's span) runs as the study
     would at seed 0: same world, base, settings and length; only the names, the seed and the
@@ -323,6 +330,8 @@ def test_job_split_gives_each_slot_its_threads_and_gpus(monkeypatch):
     }
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_agents_get_the_split_of_jobs(monkeypatch, capsys):
     """`omgrpo sweep --agent ID --jobs 2`: two `wandb agent ID` commands, each with its slot's
     environment; `python -m wandb agent` is a command wandb has."""
@@ -350,6 +359,7 @@ def test_agents_get_the_split_of_jobs(monkeypatch, capsys):
         main(["sweeps/ttt.yaml", "--agent", "team/omgrpo/abc123"])
 
 
+@pytest.mark.slow
 def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
     """backend=verl with a verl preset as extra overrides: every grid point composes with the
     verl backend (named by trainer.experiment_name, its run store under run.root with verl's
@@ -384,6 +394,7 @@ def test_a_sweep_file_plans_verl_runs(tmp_path, capsys, monkeypatch):
     assert "run.resume=auto" in again[0].overrides
 
 
+@pytest.mark.slow
 def test_the_v3_study_is_v2s_central_grid_with_16_validation_samples():
     """PREREGISTRATION-v3 changes one setting of v2's central grid (16 validation samples per
     problem instead of 4) and its units' seeds; the arms, world, base and training are v2's."""

@@ -72,6 +72,7 @@ def test_the_sweep_files_are_found():
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_wandb_agent_command_composes_the_intended_config(path, tmp_path, monkeypatch, capsys):
     sweep = load_sweep(path)
     for combo in _combinations(sweep):
@@ -90,6 +91,7 @@ def test_wandb_agent_command_composes_the_intended_config(path, tmp_path, monkey
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_rerun_of_the_agent_command_continues_then_skips(tiny_overrides, tmp_path, monkeypatch):
     """A W&B agent that reruns a combination (preempted, restarted): the run that was cut off
     continues from its checkpoint with its identity, and a finished one is skipped, exit 0."""
@@ -126,6 +128,7 @@ def test_a_rerun_of_the_agent_command_continues_then_skips(tiny_overrides, tmp_p
     assert f"skipping {run_dir}: it already finished at step 3" in third.stdout
 
 
+@pytest.mark.slow
 def test_an_agent_of_a_split_machine_composes_a_verl_run_on_its_gpus(tmp_path, monkeypatch, capsys):
     """`omgrpo sweep --agent ID --jobs 2` on a 4-GPU machine: agent 1's environment (the job
     split) reaches the run wandb's agent starts, and the command it renders for a sweep file's

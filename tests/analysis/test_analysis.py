@@ -173,6 +173,7 @@ def fixture_df() -> pd.DataFrame:
 
 # -- figures -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(FIGURES))
+@pytest.mark.slow
 def test_every_figure_writes_png_and_pdf(name, synth, tmp_path):
     frame = with_prm_runs(synth) if name == "prm_baselines" else synth
     paths = FIGURES[name](frame, tmp_path, rollouts=synthetic_rollouts(frame))
@@ -183,6 +184,7 @@ def test_every_figure_writes_png_and_pdf(name, synth, tmp_path):
     assert paths[0].read_bytes()[:4] in (b"\x89PNG", b"%PDF")
 
 
+@pytest.mark.slow
 def test_rollout_bias_without_rollouts(synth):
     assert len(F.DRAW["rollout_bias"](synth).axes) == 3  # the per-prompt panel needs rollouts
     assert len(F.DRAW["rollout_bias"](synth, synthetic_rollouts(synth)).axes) == 4
@@ -216,6 +218,7 @@ def test_the_prm_figure_names_the_prm_presets(synth, tmp_path):
     assert len(F.DRAW["prm_baselines"](with_prm_runs(synth)).axes) == 2
 
 
+@pytest.mark.slow
 def test_missing_runs_on_the_fixture(fixture_df, tmp_path):
     """The fixture has mv and om_grpo at w = 0 on one base, no CAR: these figures refuse."""
     with pytest.raises(MissingRunsError, match=r"algorithm\.answer_weight=0\.25"):
@@ -236,6 +239,7 @@ def test_missing_runs_on_the_fixture(fixture_df, tmp_path):
 
 
 # -- tables ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_tables(synth):
     main = T.val_acc_table(synth)
     assert list(main.frame["variant"]) == ["om_grpo", "w0.5"]
@@ -390,6 +394,7 @@ def test_load_rollouts(fixture_df):
     assert set(rollouts["run"]) == set(FIXTURE_RUNS)
 
 
+@pytest.mark.slow
 def test_load_runs_from_mlflow(tmp_path, monkeypatch):
     from omgrpo.tracking import MLflowTracker
 
@@ -571,6 +576,7 @@ def test_verdict_on_the_fixture(fixture_df):
 
 
 # -- command line ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_figures_cli(tmp_path, capsys):
     out = tmp_path / "figs"
     assert figures_main([str(FIXTURE), "--out", str(out), "--only", "training_dynamics"]) == 0
@@ -586,6 +592,8 @@ def test_figures_cli(tmp_path, capsys):
     assert report_main([str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
+@pytest.mark.slow
+@pytest.mark.e2e
 def test_report_command_names_every_run(tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run(

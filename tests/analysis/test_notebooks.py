@@ -31,6 +31,7 @@ def test_the_notebooks_are_there_with_outputs_cleared():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.e2e
 def test_notebook_runs_on_the_fixture(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -181,6 +181,7 @@ def test_a_malformed_prediction_is_named(tmp_path):
         read_preregistration(bad)
 
 
+@pytest.mark.slow
 def test_study_report_cli_on_fixture_runs(tmp_path, capsys):
     from omgrpo.cli import main
 
@@ -231,6 +232,7 @@ def test_study_report_cli_on_fixture_runs(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow
 def test_reports_print_the_bases_checks(tmp_path):
     """`omgrpo report` and the study report show the stored checks of the base a run used."""
     import json
@@ -301,6 +303,7 @@ def test_several_gates_and_unknown_gates(tmp_path):
         read_preregistration(prereg)
 
 
+@pytest.mark.slow
 def test_a_shipped_bases_checks_are_found_without_the_cache(tmp_path):
     """A fresh clone has no model cache yet: the report reads the checks of the copy shipped with
     omgrpo (the shortcut world's base is shipped), and says "not on this machine" (None) only

@@ -65,6 +65,7 @@ def test_car_answers_enlarge_the_soft_vote_pool():
     assert REWARDS["soft_vote"](make_group(rollouts, pool=[None, None])) == pytest.approx(plain)
 
 
+@pytest.mark.slow
 def test_pair_answers_are_validators_only_and_the_batch_stays_prompts_times_g():
     model, tok = random_toy_model(1, 0)
     groups = [(QUESTION, SOLUTIONS), ("What is 2+2?", SOLUTIONS[:3])]
@@ -149,6 +150,7 @@ def test_prompt_is_the_papers_template():
 
 # -- generation ---------------------------------------------------------------------------
 @pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.slow
 def test_prefix_sharing_matches_the_plain_path_under_greedy_decoding(num_layers):
     groups = [(QUESTION, SOLUTIONS), ("What is 2+2?", SOLUTIONS[1:])]
     # chunk_pairs=5: chunks hold whole anchors from different groups and of different sizes
@@ -171,6 +173,7 @@ def test_prefix_sharing_matches_the_plain_path_under_greedy_decoding(num_layers)
     assert shared.unclosed == plain.unclosed
 
 
+@pytest.mark.slow
 def test_prefix_tree_forward_equals_the_plain_forward():
     model, tok = random_toy_model(2, seed=0)
     rows = [
@@ -196,6 +199,7 @@ def test_prefix_tree_forward_equals_the_plain_forward():
     assert shared_tokens < 0.7 * plain_tokens  # the prefixes are computed once
 
 
+@pytest.mark.slow
 def test_identical_rows_are_computed_once_and_decode_like_the_plain_path():
     model, tok = random_toy_model(2, seed=3)
     # a group that agrees: three copies of one solution A and one other B
@@ -284,6 +288,7 @@ class _CloseAtPositions(torch.nn.Module):
         return out
 
 
+@pytest.mark.slow
 def test_decoding_matches_a_cache_free_reference_when_rows_stop_at_different_steps():
     model, tok = random_toy_model(2, seed=0)
     lm = _CloseAtPositions(model, tok.convert_tokens_to_ids("}"))

@@ -217,6 +217,7 @@ def _near(v: Fraction, how: int) -> Fraction:
 
 @FAST
 @given(values, st.data())
+@pytest.mark.slow
 def test_equal_values_in_any_spelling_are_equivalent(value: Fraction, data) -> None:
     spellings = _spellings(value)
     a = data.draw(st.sampled_from(spellings))
@@ -227,6 +228,7 @@ def test_equal_values_in_any_spelling_are_equivalent(value: Fraction, data) -> N
 
 @FAST
 @given(values, st.integers(0, 3), st.data())
+@pytest.mark.slow
 def test_distinct_exact_values_are_never_equivalent(value: Fraction, how: int, data) -> None:
     other = _near(value, how)
     # The decimal rule aside (tested below), any spelling of one is never any spelling of the
@@ -378,6 +380,7 @@ def test_grader_warm_up_starts_once_per_process_and_finishes():
 # ------------------------------------------------------------------- one grader per stage
 
 
+@pytest.mark.slow
 def test_validation_grades_with_its_own_budget(tiny_overrides, monkeypatch):
     """A training step that spends its whole budget leaves validation's intact, and step-0
     validation gets `reward.grading_budget_s` (before: it drew from a never-reset context)."""
@@ -490,6 +493,7 @@ def test_a_comma_space_group_never_equals_its_thousands_reading(head: int, tail:
 # --------------------------------------------------------- math-verify's own test suite
 
 
+@pytest.mark.slow
 def test_no_false_positives_on_math_verify_suite() -> None:
     """No pair math-verify's tests mark different is equal here (tests/fixtures/math_verify:
     its regression pairs, graded as a vote grades them; `omgrpo.tools.grading_check`)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from omgrpo.backends.native.probes import gradient_probe
@@ -37,6 +38,7 @@ def _setup():
     return model, seqs, batch
 
 
+@pytest.mark.slow
 def test_probe_parts_sum_to_the_unmasked_policy_gradient():
     model, seqs, batch = _setup()
     probe = gradient_probe(model, seqs, batch)
@@ -59,6 +61,7 @@ def test_probe_parts_sum_to_the_unmasked_policy_gradient():
     assert abs(float(full.norm()) - expected) < 1e-4 * max(1.0, expected)
 
 
+@pytest.mark.slow
 def test_probe_without_answers_has_no_answer_gradient():
     model, seqs, batch = _setup()
     batch.responses.answer_mask.zero_()

@@ -313,6 +313,7 @@ def test_fallback_splits_multibyte_char(bpe_tok):
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(st.data())
+@pytest.mark.slow
 def test_batched_span_mask_equals_row_by_row(data):
     """span_token_mask on (B, T, 2) offsets and (B, 2) spans equals it row by row."""
     rows, width = data.draw(st.integers(1, 5)), data.draw(st.integers(0, 8))

@@ -44,6 +44,7 @@ def batch_of(tok, texts):
     return ids, mask
 
 
+@pytest.mark.slow
 def test_score_step_shapes_and_hand_computed_values(tok):
     ids, mask = batch_of(tok, TEXTS)
     cfg = compose(["method=om_grpo_format_only"])  # soft vote + format, format-only advantages
@@ -247,6 +248,7 @@ def test_closing_span_hand_computed_and_the_default_unchanged(tok):
         assert torch.equal(default.answer_mask[i, : len(t) + 1], old)
 
 
+@pytest.mark.slow
 def test_score_step_reads_the_span_from_the_algorithm_section(tok):
     ids, mask = with_eos(tok, TEXTS)
     for method, extra in [("om_grpo_no_car", 0), ("om_grpo_no_car_closing", 2)]:

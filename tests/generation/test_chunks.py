@@ -102,6 +102,7 @@ def _trim(seqs: Sequences) -> Sequences:
 
 @pytest.mark.parametrize("lean", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.0])
+@pytest.mark.slow
 def test_chunks_of_1_3_and_all_rows_give_the_same_rows(monkeypatch, lean, temperature):
     monkeypatch.setattr(engine, "lean_decoding_supported", lambda m: lean)
     model, tok = _model()
@@ -220,6 +221,7 @@ def test_free_memory_sizes_the_chunks(monkeypatch):
     assert seen == [(1, 2)] * 3
 
 
+@pytest.mark.slow
 def test_car_answers_do_not_depend_on_the_chunks():
     model, tok = random_toy_model(2, seed=0)
     sols = ["2+2 = \\boxed{4}", "2+2 = 5, so \\boxed{5}", "\\boxed{4}"]

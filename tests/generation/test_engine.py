@@ -30,6 +30,7 @@ def _prompts(tok):
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "group"), [(4, 2, 3), (2, 2, 1), (4, 1, 2)])
+@pytest.mark.slow
 def test_lean_decoder_gives_the_hf_forwards_logits_at_every_step(heads, kv_heads, group):
     model, tok = _model(heads, kv_heads)
     assert lean_decoding_supported(model)
@@ -65,6 +66,7 @@ def _greedy(model, tok, prompts, group, max_new_tokens, stop):
         )
 
 
+@pytest.mark.slow
 def test_lean_and_hf_decoding_give_the_same_greedy_tokens(monkeypatch):
     model, tok = _model()
     prompts = _prompts(tok)
@@ -100,6 +102,7 @@ def _shared_prompt_lean(model, prompts, tail_ids, tail_mask):
 
 
 @pytest.mark.parametrize("scorer", [_shared_prompt_tree, _shared_prompt_lean])
+@pytest.mark.slow
 def test_prompt_shared_scoring_equals_the_plain_forward_with_gradients(scorer):
     model, tok = _model()
     p = _prompts(tok)
@@ -123,6 +126,7 @@ def test_prompt_shared_scoring_equals_the_plain_forward_with_gradients(scorer):
         torch.testing.assert_close(a, p.grad, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_sample_categorical_draws_each_token_at_its_probability():
     torch.manual_seed(0)
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [2.0, 0.0, 0.0, 2.0]])
@@ -161,6 +165,7 @@ def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(st.lists(st.lists(st.integers(0, 3), max_size=6), min_size=1, max_size=5))
+@pytest.mark.slow
 def test_common_prefix_len_equals_a_plain_scan(rows):
     n = 0
     while all(len(r) > n for r in rows) and len({r[n] for r in rows}) == 1:
@@ -168,6 +173,7 @@ def test_common_prefix_len_equals_a_plain_scan(rows):
     assert engine.common_prefix_len(rows) == n
 
 
+@pytest.mark.slow
 def test_decoding_drops_ended_prompts_and_keeps_the_rest_exact(monkeypatch):
     """Prompts end one after another (down to a single prefix node): the lean decoder drops
     ended prompts' rows and gives the HF path's greedy tokens for the rest."""

@@ -41,6 +41,7 @@ def _two_samples_each(model, tok, prompts):
     return _sample(model, tok, prompts, n=2, max_new_tokens=10, temperature=1.0)
 
 
+@pytest.mark.slow
 def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
     model, tok = _model()
     prompts = _prompts(tok)
@@ -58,6 +59,7 @@ def test_greedy_sampling_matches_hf_generate_on_each_prompt_alone():
         assert batch.response_ids[i, :n].tolist() == ref[:n].tolist()
 
 
+@pytest.mark.slow
 def test_logprobs_do_not_depend_on_batch_padding():
     model, tok = _model()
     prompts = _prompts(tok)
@@ -74,6 +76,7 @@ def test_logprobs_do_not_depend_on_batch_padding():
     assert (together["self_certainty"] >= -1e-5).all()  # KL(U || p) >= 0
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_from_the_rng_state_and_chunking_is_transparent():
     model, tok = _model()
     prompts = _prompts(tok)
@@ -98,6 +101,7 @@ def test_sampling_is_reproducible_from_the_rng_state_and_chunking_is_transparent
         assert whole.response_ids[i, :n].tolist() == chunked.response_ids[i, :n].tolist()
 
 
+@pytest.mark.slow
 def test_shared_prefix_forward_equals_the_plain_forward_with_gradients():
     model, tok = _model()
     system = tok(

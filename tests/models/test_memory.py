@@ -160,6 +160,7 @@ def test_a_small_paper_config_fits_on_80_gib(capsys):
 
 
 @pytest.mark.parametrize("knob_at", [0, 1])
+@pytest.mark.slow
 def test_the_knob_a_refusal_names_makes_the_stage_fit(capsys, knob_at):
     # without checkpointing (the paper preset's checkpointed update fits 48 GiB at this size)
     small = [
@@ -206,6 +207,7 @@ def test_plan_prints_a_table_with_a_verdict(capsys):
     assert "114,688 bytes per token per row" in out and "in chunks of 32 rows" in out
 
 
+@pytest.mark.slow
 def test_old_pass_follows_the_trainers_rule():
     for overrides in ([], ["experiment=paper"], ["algorithm.mini_batch_size=8"]):
         cfg = compose(overrides)

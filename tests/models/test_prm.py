@@ -91,6 +91,7 @@ def test_a_special_tag_is_its_own_token(prms):
 
 
 @pytest.mark.parametrize("fmt", ["causal_lm", "token_classification"])
+@pytest.mark.slow
 def test_batched_scores_equal_a_plain_loop(prms, fmt):
     """Right-padded batches give each response the scores of a batch of one, computed here from
     the model's logits with the format's own rule, written out."""

@@ -22,6 +22,7 @@ def _overrides(manifest: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("base", SHIPPED, ids=[p.name for p in SHIPPED])
+@pytest.mark.slow
 def test_a_shipped_base_is_what_its_command_asks_for(base):
     """The manifest's recipe hashes to the directory's key, and composing the manifest's
     command today gives that key: a change to a preset or to the recipe cannot silently leave a

@@ -43,6 +43,7 @@ def presets():
 
 
 @pytest.mark.parametrize("preset", list(BACKBONES))
+@pytest.mark.slow
 def test_one_gpu_preset_has_the_planners_settings_and_fits_80_gib(presets, preset):
     cfg, model_dir = presets[f"{preset}_1gpu"], BACKBONES[preset]
     assert cfg.trainer.n_gpus_per_node == 1 and cfg.data.train_batch_size == 128
@@ -67,6 +68,7 @@ def test_rollout_stage_hand_computed_for_qwen3_without_offload(presets):
     assert plan.stages["rollout"] == int(0.65 * 80 * GIB) + 12 * 1_720_574_976
 
 
+@pytest.mark.slow
 def test_plan_cli_for_verl_fits_80_and_refuses_24_naming_the_stage(capsys):
     model = f"actor_rollout_ref.model.path={BACKBONES['paper_qwen2p5_7b']}"
     args = ["plan", "backend=verl", "experiment=paper_qwen2p5_7b_1gpu", model, "--device-gb"]
@@ -76,6 +78,7 @@ def test_plan_cli_for_verl_fits_80_and_refuses_24_naming_the_stage(capsys):
     assert re.search(r"verdict: does not fit: .*update needs [\d.]+ GiB", capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_readme_table_is_what_plan_table_prints(capsys):
     assert cli.main(["plan", "--table"]) == 0
     printed = capsys.readouterr().out.strip()

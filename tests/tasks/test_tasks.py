@@ -126,6 +126,7 @@ def test_car_sft_examples_answer_the_correct_solution():
     assert 0.1 < same / len(examples) < 0.4  # a quarter compare a solution with itself
 
 
+@pytest.mark.slow
 def test_impossible_toy_request_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot draw"):
         generate_toy_splits(

@@ -167,6 +167,7 @@ def test_world_presets(experiment, guess_rates, peak_p, bare):
     assert spec.hard_share == (0.0 if experiment == "toy" else 0.5)
 
 
+@pytest.mark.slow
 def test_a_new_base_is_checked_and_the_verdict_stored(tiny_overrides, tmp_path, capsys):
     """The warm start measures a new shortcut-world base and writes checks.json beside it."""
     from omgrpo.config import compose

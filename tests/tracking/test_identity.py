@@ -66,6 +66,7 @@ def active_runs(uri: str, experiment: str) -> dict[str, dict[str, str]]:
     return {r.info.run_id: r.data.tags for r in client.search_runs([exp.experiment_id])}
 
 
+@pytest.mark.slow
 def test_a_new_run_at_a_path_another_run_used_is_a_different_run(
     tmp_path, mlflow_uri, offline_wandb
 ):
@@ -96,6 +97,7 @@ def test_a_new_run_at_a_path_another_run_used_is_a_different_run(
     assert df.groupby("run")["step"].apply(list).map(sorted).tolist() == [[1, 2, 3]] * 3
 
 
+@pytest.mark.slow
 def test_a_moved_or_copied_run_directory_keeps_its_identity(tmp_path, mlflow_uri, offline_wandb):
     """Syncing a moved run finds its own MLflow run (complete: nothing is added) and writes its
     own W&B run."""
@@ -117,6 +119,7 @@ def test_a_moved_or_copied_run_directory_keeps_its_identity(tmp_path, mlflow_uri
     assert sync_run(copy, "wandb", TrackingConfig()) == first_wandb
 
 
+@pytest.mark.slow
 def test_an_old_run_store_without_identity_still_resumes(tmp_path, mlflow_uri, offline_wandb):
     """A store from before identities (no identity.json; its MLflow run tagged only with the
     path): it gets a UUID derived from its path, kept from then on, and a resume supersedes
@@ -186,6 +189,7 @@ def test_config_keys_override_env_vars_which_override_defaults(monkeypatch):
     assert {k: getattr(explicit, k) for k in keys} == keys
 
 
+@pytest.mark.slow
 def test_training_trackers_follow_the_env_vars(tmp_path, monkeypatch, offline_wandb):
     """With only the environment set, MLflow logs into $MLFLOW_TRACKING_URI's experiment
     $MLFLOW_EXPERIMENT_NAME (not the run store's sqlite), W&B into $WANDB_PROJECT."""

@@ -90,6 +90,7 @@ def test_auto_resumes_an_unfinished_run_bit_exact_with_its_identity(tiny_overrid
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_auto_skips_a_finished_run_without_touching_it(tiny_overrides, tmp_path):
     common = [*tiny_overrides, "trainer.steps=2", "run.name=done"]
     run_dir = tmp_path / "runs" / "done"

@@ -28,7 +28,7 @@ from omgrpo.sweep import main as sweep_main
 from omgrpo.sweep import plan_runs, status_if_readable
 from omgrpo.tracking.store import RunStore
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 # Self-Certainty beside OM-GRPO's vote and format parts: a continuous reward, so every group
 # has reward spread and every step updates the weights and the optimizer state a resume must

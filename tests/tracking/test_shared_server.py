@@ -24,7 +24,7 @@ from omgrpo.tracking.naming import as_float, sanitize_metric_name
 from omgrpo.tracking.retry import MLFLOW_HTTP_DEFAULTS
 from omgrpo.tracking.store import RunStore
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -211,6 +211,7 @@ def wandb_file_bytes(offline_dir: Path, expect: bytes, timeout: float = 20.0) ->
 
 
 # -- MLflow --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mlflow_metrics_params_tags_artifacts_match_the_store(tmp_path, mlflow_uri, monkeypatch):
     import mlflow
 
@@ -293,6 +294,7 @@ def test_mlflow_resume_replaces_the_run_with_one_value_per_step(tmp_path, mlflow
     assert store.tracker_ids()["mlflow"] == new_id
 
 
+@pytest.mark.slow
 def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_path, mlflow_uri):
     """Another process takes an exclusive lock on the SQLite store after the run started and
     holds it: one short warning, `finish` returns within STALL_TIMEOUT_S + 1 s, the local store
@@ -344,6 +346,7 @@ def test_mlflow_locked_during_a_run_warns_once_and_finishes_in_bounded_time(tmp_
     assert [r.info.run_id for r in client.search_runs([exp.experiment_id])] == [run_id]
 
 
+@pytest.mark.slow
 def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_path, mlflow_uri):
     import sqlite3
 
@@ -369,6 +372,7 @@ def test_mlflow_locked_before_the_run_warns_once_within_the_stall_timeout(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_parallel_runs_on_a_fresh_database_do_not_race(tmp_path):
     """Two processes start on the same new DB at once: the flock serialises the migration."""
     uri = "sqlite:///" + str(tmp_path / "fresh.db")
@@ -667,6 +671,7 @@ def test_build_trackers_from_a_dict(tmp_path):
 
 
 # -- faults: retries, the bounded writer queue ----------------------------------------------
+@pytest.mark.slow
 def test_transient_errors_are_retried_with_backoff_and_others_raise_at_once():
     from mlflow.exceptions import MlflowException
     from mlflow.protos import databricks_pb2 as codes
@@ -729,6 +734,7 @@ def test_the_writer_queue_is_bounded_and_never_blocks():
     worker.close()
 
 
+@pytest.mark.slow
 def test_an_unreachable_server_at_start_costs_the_retry_time_once(tmp_path):
     """Nothing listens on the port: `start` gives up after RETRY_S (MLflow's own HTTP retries,
     ~4 min a call, are off), one warning, and the run goes on without MLflow."""

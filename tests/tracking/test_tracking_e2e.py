@@ -17,7 +17,7 @@ from omgrpo.config import compose
 from omgrpo.tracking import sanitize_metric_name
 from omgrpo.tracking.store import RunStore
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -54,6 +54,7 @@ def test_head_ids_cut_only_at_a_token_boundary():
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_gates_equal_a_plain_forward_of_prompt_and_gold_text():
     model, tok = random_toy_model(num_layers=1, seed=3)
     encode = PromptEncoder(tok, 512)
@@ -84,6 +85,7 @@ def test_gates_equal_a_plain_forward_of_prompt_and_gold_text():
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_answer_probs_of_padded_rows_equal_each_row_alone():
     model, tok = random_toy_model(num_layers=2, seed=5)
     rows = mech.Prefixes()
@@ -196,6 +198,7 @@ def test_mode_rows_are_the_rollouts_boxing_their_groups_majority():
     assert mech.mode_rows(batch).tolist() == [True, True, False, True, False, True]
 
 
+@pytest.mark.slow
 def test_the_token_parts_sum_to_the_full_gradient():
     model, tok = random_toy_model(num_layers=1, seed=1)
     seqs, batch = _step(tok)
@@ -227,6 +230,7 @@ class _NoStep:
         (_algo(answer_weight=1.0, micro_batch_size=2, agg="seq-mean-token-sum"), 0.0, False),
     ],
 )
+@pytest.mark.slow
 def test_the_split_step_is_the_trainers_real_update(algo, grad_clip, kl):
     model, tok = random_toy_model(num_layers=2, seed=2)
     seqs, batch = _step(tok)
@@ -284,6 +288,7 @@ def test_a_run_logs_the_mechanism_and_keeps_its_trajectory(tiny_overrides, metri
     pd.testing.assert_frame_equal(plain[kept], probed[kept])
 
 
+@pytest.mark.slow
 def test_the_update_frees_each_micro_batchs_logits_before_the_next_forward_and_the_step(
     monkeypatch,
 ):

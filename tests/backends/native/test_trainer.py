@@ -145,6 +145,7 @@ def test_rollouts_table_has_the_documented_columns(tiny_overrides):
     assert expected | {"reward_soft_vote", "reward_format"} <= cols
 
 
+@pytest.mark.e2e
 def test_cli_train_end_to_end(tiny_overrides, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "omgrpo", "train", *tiny_overrides, "trainer.steps=2"],

@@ -48,6 +48,7 @@ def preset_cfg(request):
     return request.param, compose_verl(request.param, LAUNCH)
 
 
+@pytest.mark.slow
 def test_preset_has_the_papers_hyperparameters(preset_cfg):
     name, cfg = preset_cfg
     actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -92,6 +93,7 @@ def test_preset_passes_verls_own_checks(preset_cfg):
     assert rollout.agent.agent_loop_manager_class == AGENT_LOOP_MANAGER
 
 
+@pytest.mark.slow
 def test_method_presets_land_in_the_omgrpo_section():
     cfg = compose_verl("paper_qwen3_1p7b", ["method=om_grpo_no_car_n16"])
     assert cfg.omgrpo.method == "om_grpo_no_car_n16" and not cfg.omgrpo.car.enable
@@ -107,6 +109,7 @@ def test_method_presets_land_in_the_omgrpo_section():
     ]
 
 
+@pytest.mark.slow
 def test_unsupported_or_bad_values_fail_with_the_key():
     with pytest.raises(ValueError, match=r"omgrpo\.reward\.parts.*self_certainty"):
         compose_verl("paper_qwen3_1p7b", ["method=self_certainty"])
@@ -132,6 +135,7 @@ def test_unsupported_or_bad_values_fail_with_the_key():
 
 
 @pytest.mark.parametrize("method", ["prm", "prm_om"])
+@pytest.mark.slow
 def test_the_prm_methods_compose_and_pass_verls_own_checks(method):
     """The process reward on verl: the method preset lands in the `omgrpo` section, the config
     passes verl's validate_config and dataclasses; the PRM actor's resources default to the CPU."""
@@ -172,11 +176,13 @@ def test_the_prm_methods_compose_and_pass_verls_own_checks(method):
         ("omgrpo.algorithm.adv_eps=1e-4", r"omgrpo\.algorithm\.adv_eps must be 1e-06"),
     ],
 )
+@pytest.mark.slow
 def test_settings_that_undo_outcome_masking_are_rejected(override, match):
     with pytest.raises(ValueError, match=match):
         compose_verl("paper_qwen3_1p7b", [override])
 
 
+@pytest.mark.slow
 def test_format_only_needs_std_normalised_grpo():
     compose_verl("paper_qwen3_1p7b", ["algorithm.norm_adv_by_std_in_grpo=false"])  # allowed
     with pytest.raises(ValueError, match=r"norm_adv_by_std_in_grpo=false.*format_only"):
@@ -196,12 +202,14 @@ def test_format_only_needs_std_normalised_grpo():
         ),
     ],
 )
+@pytest.mark.slow
 def test_cli_reports_bad_presets_and_settings(capsys, args, message):
     code = cli.main(["train", "backend=verl", *args])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("omgrpo train backend=verl: ") and message in err
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_composed_config_without_ray(capsys):
     import ray
 
@@ -221,6 +229,7 @@ def test_dry_run_prints_the_composed_config_without_ray(capsys):
     assert "# to launch, also set: actor_rollout_ref.model.path=" in out
 
 
+@pytest.mark.slow
 def test_launch_without_required_keys_stops_before_ray(capsys):
     import ray
 
@@ -229,6 +238,7 @@ def test_launch_without_required_keys_stops_before_ray(capsys):
     assert "set actor_rollout_ref.model.path" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_launch_runs_verls_run_ppo_with_the_composed_config(monkeypatch):
     """Without --dry-run the CLI hands the composed config to verl's run function (stubbed
     here: a real run needs Ray, GPUs and vLLM)."""
@@ -246,6 +256,7 @@ def test_launch_runs_verls_run_ppo_with_the_composed_config(monkeypatch):
     assert cfg.actor_rollout_ref.model.path == "/models/m"
 
 
+@pytest.mark.slow
 def test_two_seeds_get_two_checkpoint_folders_and_their_own_shuffle_seeds():
     runs = {
         seed: compose_verl("paper_qwen3_1p7b", [*LAUNCH, *args])
@@ -268,6 +279,7 @@ def test_two_seeds_get_two_checkpoint_folders_and_their_own_shuffle_seeds():
         compose_verl("paper_qwen3_1p7b", [*LAUNCH, "data.seed=3"])
 
 
+@pytest.mark.slow
 def test_run_resume_sets_verls_resume_mode():
     def mode(*args):
         return compose_verl("paper_qwen3_1p7b", [*LAUNCH, *args]).trainer.resume_mode
@@ -287,6 +299,7 @@ def test_run_resume_sets_verls_resume_mode():
         mode("run.resume=sometimes")
 
 
+@pytest.mark.slow
 def test_a_fresh_launch_refuses_a_used_checkpoint_folder(tmp_path, monkeypatch, capsys):
     import verl.trainer.main_ppo as main_ppo
 
@@ -308,6 +321,7 @@ def test_a_fresh_launch_refuses_a_used_checkpoint_folder(tmp_path, monkeypatch, 
     assert [c.trainer.resume_mode for c in calls] == ["disable", "auto", "auto"]
 
 
+@pytest.mark.slow
 def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     cfg = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "omgrpo.algorithm.answer_weight=0.25"])
     trainer = OmgrpoTrainer(cfg)  # no Ray: the workers are built later, in init()
@@ -323,6 +337,7 @@ def test_trainer_stays_in_sync_mode_and_installs_the_loss():
     assert OmgrpoTrainer(anchored).make_loss_fn().keywords["answer_weight"] == 1.0
 
 
+@pytest.mark.slow
 def test_math_verify_switch_reaches_driver_and_reward_workers():
     cfg = compose_verl("paper_qwen3_1p7b", [*LAUNCH, "omgrpo.reward.math_verify=false"])
     assert cfg.reward.custom_reward_function.reward_kwargs.math_verify is False

@@ -32,7 +32,7 @@ from toy_models import tiny_qwen3_config
 
 from omgrpo.backends.verl.smoke import COLLAPSE_AT_STEP_2, check_run, read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 TIMEOUT_S = 900  # per verl process (a guard against hangs; ~2 min each on 2 idle cores)
 G = 8

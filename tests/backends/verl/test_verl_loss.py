@@ -133,6 +133,7 @@ def test_verl_low_var_kl_is_omgrpo_k3():
 
 
 @pytest.mark.parametrize("answer_weight", [0.0, 1.0])
+@pytest.mark.slow
 def test_equals_verl_ppo_loss_when_nothing_is_masked(actor_config_factory, answer_weight):
     """No answer tokens (any w) or w = 1 (any mask): verl's ppo_loss, value and gradient."""
     no_answers = [[] for _ in ANSWER_POS]

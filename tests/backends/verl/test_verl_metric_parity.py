@@ -138,6 +138,7 @@ def actor_config_factory():
     return lambda: omega_conf_to_dataclass(node)  # fresh: ppo_loss writes into it
 
 
+@pytest.mark.slow
 def test_native_update_and_verl_loss_log_the_same_token_metrics(actor_config_factory):
     micro_batches = make_rows()
     native = native_metrics(micro_batches)

@@ -53,6 +53,7 @@ def test_entry_point_is_declared():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_import_verl_registers_the_trainer():
     report = probe(VERL_USE_EXTERNAL_PLUGINS="auto")
     assert report == {
@@ -63,6 +64,7 @@ def test_import_verl_registers_the_trainer():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_registration_comes_from_the_entry_point():
     """With verl's plugin discovery off nothing registers omgrpo: the entry point does it."""
     report = probe(VERL_USE_EXTERNAL_PLUGINS="none")

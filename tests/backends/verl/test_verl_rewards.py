@@ -521,6 +521,7 @@ def prm_overrides(path, prefix: str = "") -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_verl_and_native_give_the_same_process_rewards(tok, monkeypatch, prm_dir):
     """The same rollouts through verl's agent loop (two groups scored concurrently by one PRM
     server, its batches mixing the groups) and through the native score_step with the same

@@ -46,6 +46,7 @@ def fake_fit(steps: list[dict], fail_at: int | None = None):
     return fit
 
 
+@pytest.mark.slow
 def test_fit_writes_the_run_store_through_verls_tracking(tmp_path, monkeypatch):
     trainer = make(tmp_path, "seed=3")
     rows = [{"reward/total": np.float32(0.5), "note": "text", "val/acc": math.nan}, {"a": 2}]
@@ -70,6 +71,7 @@ def test_fit_writes_the_run_store_through_verls_tracking(tmp_path, monkeypatch):
     assert len(store.peek_uuid()) == 32 and "versions" in store.read_provenance()
 
 
+@pytest.mark.slow
 def test_a_failed_fit_is_recorded_and_a_resume_keeps_the_identity(tmp_path, monkeypatch):
     trainer = make(tmp_path)
     monkeypatch.setattr(PPOTrainerSync, "fit", fake_fit([{"a": 1}, {"a": 2}], fail_at=2))
@@ -93,6 +95,7 @@ def test_a_failed_fit_is_recorded_and_a_resume_keeps_the_identity(tmp_path, monk
     assert store.read_status()["state"] == "finished"
 
 
+@pytest.mark.slow
 def test_the_step_rollout_table_holds_each_rows_advantage(tmp_path, monkeypatch):
     trainer = make(tmp_path, "omgrpo.algorithm.answer_weight=0.25")
     fake = FakeTQ(stored_rows())

@@ -102,6 +102,7 @@ def test_toy_parquet_is_verls_row_format(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [COLLAPSE_AT_STEP_2, ["method=mv"]])
+@pytest.mark.slow
 def test_gpu_overrides_pass_verls_checks(tmp_path, extra):
     train, val = write_toy_parquet(tmp_path, n_train=32, n_val=8)
     cfg = compose_verl("paper_qwen3_1p7b", gpu_overrides("/models/m", train, val, 3) + extra)

@@ -109,6 +109,7 @@ def stored_rows(format_only: bool = False) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("format_only", [False, True])
+@pytest.mark.slow
 def test_compute_advantage_weights_the_stored_rows(make_trainer, monkeypatch, format_only):
     extra = ["method=om_grpo_format_only"] if format_only else []
     trainer = make_trainer("omgrpo.algorithm.answer_weight=0.25", *extra)
@@ -142,6 +143,7 @@ def test_compute_advantage_weights_the_stored_rows(make_trainer, monkeypatch, fo
     assert metrics["entropy/reasoning"] == pytest.approx(sum(reasoning_entropy) / 9)
 
 
+@pytest.mark.slow
 def test_compute_advantage_without_stored_entropy(make_trainer, monkeypatch):
     """Rollout-correction bypass mode skips the old-log-prob pass: no entropy to split."""
     trainer = make_trainer("algorithm.rollout_correction.bypass_mode=true")
@@ -209,6 +211,7 @@ def run_compute_metrics(trainer, monkeypatch, rows, step=3):
     return fake, handed
 
 
+@pytest.mark.slow
 def test_compute_metrics_excludes_padding_and_times_car(make_trainer, monkeypatch):
     trainer = make_trainer()
     fake, handed = run_compute_metrics(trainer, monkeypatch, metrics_rows())
@@ -222,6 +225,7 @@ def test_compute_metrics_excludes_padding_and_times_car(make_trainer, monkeypatc
     assert math.isnan(metrics["collapse/detected_step"])
 
 
+@pytest.mark.slow
 def test_collapse_stop_ends_training_after_the_step(make_trainer, monkeypatch):
     keep = make_trainer("omgrpo.collapse.patience=1")
     keep.total_training_steps = 100
@@ -236,6 +240,7 @@ def test_collapse_stop_ends_training_after_the_step(make_trainer, monkeypatch):
     assert stop.total_training_steps == 7
 
 
+@pytest.mark.slow
 def test_on_init_end_installs_the_loss_on_the_actor_workers(make_trainer, monkeypatch):
     trainer = make_trainer("omgrpo.algorithm.answer_weight=0.5")
     installed, base = [], []
