@@ -80,9 +80,10 @@ KNOWN_METRICS: tuple[str, ...] = (
 )  # fmt: skip
 
 LEGACY_PASS_AT_K = "val/pass@k"
-"""verl runs before issue 24: `val/pass@<k>` under a literal `k` (`_numeric_pass_at_k`)."""
+"""verl runs from before both backends shared one metric contract: `val/pass@<k>` under a
+literal `k` (`_numeric_pass_at_k`)."""
 LEGACY_TOP_VOTE_WITHOUT_CAR = "car/top_vote_acc_without_car"
-"""CAR runs before issue 24: the rollouts' vote under this name, the pool's as
+"""CAR runs from before the shared metric contract: the rollouts' vote under this name, the pool's as
 `answers/top_vote_acc` (`_top_vote_names`)."""
 
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
@@ -260,7 +261,7 @@ _VAL_K_KEYS = ("eval.k", "actor_rollout_ref.rollout.val_kwargs.n")
 
 
 def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.DataFrame:
-    """Runs of the verl backend before issue 24 logged `val/pass@k` under that literal name
+    """Runs of the verl backend from before the shared metric contract logged `val/pass@k` under that literal name
     (verl's bootstrap best@k); both backends now log `val/pass@<k>`. The old column becomes
     `val/pass@<k>` with k from the run's config (kept as it is when the config has no k)."""
     if LEGACY_PASS_AT_K not in metrics.columns:
@@ -276,10 +277,11 @@ def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.D
 
 
 def _top_vote_names(metrics: pd.DataFrame) -> pd.DataFrame:
-    """`answers/top_vote_acc` is the rollouts' majority vote in every run since issue 24, and
-    CAR's augmented pool votes as `car/top_vote_acc`. Before, a CAR step logged the pool's vote
-    as `answers/top_vote_acc` and the rollouts' as `car/top_vote_acc_without_car`: such rows
-    are renamed to today's names."""
+    """`answers/top_vote_acc` is the rollouts' majority vote in every run since the backends
+    shared one metric contract, and
+        CAR's augmented pool votes as `car/top_vote_acc`. Before, a CAR step logged the pool's vote
+        as `answers/top_vote_acc` and the rollouts' as `car/top_vote_acc_without_car`: such rows
+        are renamed to today's names."""
     if LEGACY_TOP_VOTE_WITHOUT_CAR not in metrics.columns:
         return metrics
     old = metrics.pop(LEGACY_TOP_VOTE_WITHOUT_CAR)
@@ -560,7 +562,7 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
 DEGRADE_DROP = 0.10
 """`degradation`: validation accuracy must fall by more than this (absolute, from the run's
 first evaluation to its last) to call a run degraded or reward hacked. A round figure, chosen
-with the rule (issue 28) after the PRM sweep's seed 0 had run (docs/prm.md): there it flags the
+with the rule, when the PRM baselines were added, after the PRM sweep's seed 0 had run (docs/prm.md): there it flags the
 `prm`, `prm_om`, `prm_mean` and `prm_product` arms (drops 0.25 to 0.65) and not MV, OM-GRPO
 without CAR or `prm_last` (0.035, 0.082, 0.031)."""
 

@@ -41,6 +41,7 @@ from omgrpo.analysis.tables import (
     markdown_table,
     run_summary,
 )
+from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS
 
 FIGURE_CAPTION = (
     "Curves are means over seeds (the legend gives n). With n ≥ 3 the band is the 95% CI of "
@@ -127,8 +128,10 @@ def _runs_section(df: pd.DataFrame, dirs: Sequence[Path]) -> list[str]:
     lines += [
         "",
         "Verdict: `collapse/detected_step` when the trainer logged it, else "
-        "`omgrpo.core.diagnostics.CollapseDetector` (≤ 1.5 answers per prompt and the batch's top "
-        "answer in ≥ 50% of rollouts for 3 consecutive steps) replayed over the metrics; a run "
+        "`omgrpo.core.diagnostics.CollapseDetector` "
+        f"(≤ {COLLAPSE_DEFAULTS['max_unique_per_prompt']:g} answers per prompt and the batch's top "
+        f"answer in ≥ {COLLAPSE_DEFAULTS['min_mode_share']:.0%} of rollouts for "
+        f"{COLLAPSE_DEFAULTS['patience']} consecutive steps) replayed over the metrics; a run "
         f"that did not collapse but whose val/acc fell by more than {DEGRADE_DROP:.2f} from its "
         "first evaluation to its last is `reward hacked` when its training reward "
         f"(`reward/total`, first vs last {REWARD_WINDOW} steps) rose, else `degraded` "
