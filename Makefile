@@ -96,12 +96,13 @@ format: setup
 # whole suite, what CI runs; `make test-fast` leaves out the `slow` tests (training, whole verbs)
 # and the `e2e` ones (verl workers, servers, subprocesses, wheel builds, notebooks).
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 
 test: setup lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: setup lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not slow and not e2e"
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not slow and not e2e" $(PYTEST_ARGS)
 
 # durations: rerun the whole suite and rewrite tests/durations.txt, every test's time (slowest
 # first), the snapshot that tells which tests to mark `slow` or `e2e`.
