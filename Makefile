@@ -107,8 +107,9 @@ test-fast: setup lint
 # durations: rerun the whole suite and rewrite tests/durations.txt, every test's time (slowest
 # first), the snapshot that tells which tests to mark `slow` or `e2e`.
 durations: setup
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=0 --durations-min=0.5 -p no:cacheprovider \
-	  | sed -n '/slowest durations/,/short test summary\|passed\|failed/p' > tests/durations.txt
+	{ echo "# make durations: $$(date -u +%F), commit $$(git rev-parse --short HEAD), $$(nproc) cores, $(TEST_WORKERS) workers"; \
+	  $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=0 --durations-min=0.5 -p no:cacheprovider \
+	  | sed -En '/slowest durations/,/short test summary|^[0-9]+ (passed|failed)/p'; } > tests/durations.txt
 
 # The collapse study v2's central comparison in the shortcut world (sweeps/collapse_demo.yaml):
 # the shuffled-advantage null, majority voting and OM-GRPO (w = 0, the paper's span), 150 steps
