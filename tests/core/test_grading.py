@@ -11,7 +11,7 @@ from fractions import Fraction
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from omgrpo.core import answers
@@ -20,15 +20,8 @@ from omgrpo.core.answers import worker as worker_module
 from omgrpo.core.answers.exact import decimal_ulp, exact_value, values_match
 from omgrpo.core.rewards import compute_rewards, make_group
 
-# In-process properties only: fast, reproducible (the same examples on every run), and no
-# example database written into the checkout.
-FAST = settings(
-    max_examples=150,
-    deadline=None,
-    database=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+# In-process properties only (reproducible and database-free by the conftest's profile).
+FAST = settings(max_examples=150)
 
 
 @contextmanager
@@ -462,7 +455,7 @@ _symbols = st.sampled_from(["a", "b", "x", "y", "z", "\\sqrt{y}"])
 _with_numbers = st.sampled_from(["2x", "3z", "a^2", "y^3", "1"])
 
 
-@settings(max_examples=30, deadline=None, database=None, derandomize=True)
+@settings(max_examples=30)
 @given(st.lists(_symbols, max_size=2, unique=True), _with_numbers, st.integers(-20, 20))
 def test_an_equation_is_never_its_right_side(symbols: list[str], term: str, value: int) -> None:
     """`lhs = v` against `v` for a left side with a number in it (math-verify's `verify` reads a
