@@ -83,13 +83,11 @@ LEGACY_PASS_AT_K = "val/pass@k"
 """verl runs from before both backends shared one metric contract: `val/pass@<k>` under a
 literal `k` (`_numeric_pass_at_k`)."""
 LEGACY_TOP_VOTE_WITHOUT_CAR = "car/top_vote_acc_without_car"
-"""CAR runs from before the shared metric contract: the rollouts' vote under this name, the pool's as
-`answers/top_vote_acc` (`_top_vote_names`)."""
+"""CAR runs from before the shared metric contract: the rollouts' vote under this name, the
+pool's as `answers/top_vote_acc` (`_top_vote_names`)."""
 
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
-
-DEFAULT_COLLAPSE = COLLAPSE_DEFAULTS  # the trainers' defaults, for runs that did not record theirs
 
 
 class NoRunsError(FileNotFoundError):
@@ -261,9 +259,10 @@ _VAL_K_KEYS = ("eval.k", "actor_rollout_ref.rollout.val_kwargs.n")
 
 
 def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.DataFrame:
-    """Runs of the verl backend from before the shared metric contract logged `val/pass@k` under that literal name
-    (verl's bootstrap best@k); both backends now log `val/pass@<k>`. The old column becomes
-    `val/pass@<k>` with k from the run's config (kept as it is when the config has no k)."""
+    """Runs of the verl backend from before the shared metric contract logged `val/pass@k`
+    under that literal name (verl's bootstrap best@k); both backends now log `val/pass@<k>`.
+    The old column becomes `val/pass@<k>` with k from the run's config (kept as it is when the
+    config has no k)."""
     if LEGACY_PASS_AT_K not in metrics.columns:
         return metrics
     flat = flatten(config)
@@ -278,10 +277,9 @@ def _numeric_pass_at_k(metrics: pd.DataFrame, config: Mapping[str, Any]) -> pd.D
 
 def _top_vote_names(metrics: pd.DataFrame) -> pd.DataFrame:
     """`answers/top_vote_acc` is the rollouts' majority vote in every run since the backends
-    shared one metric contract, and
-        CAR's augmented pool votes as `car/top_vote_acc`. Before, a CAR step logged the pool's vote
-        as `answers/top_vote_acc` and the rollouts' as `car/top_vote_acc_without_car`: such rows
-        are renamed to today's names."""
+    shared one metric contract, and CAR's augmented pool votes as `car/top_vote_acc`. Before, a
+    CAR step logged the pool's vote as `answers/top_vote_acc` and the rollouts' as
+    `car/top_vote_acc_without_car`: such rows are renamed to today's names."""
     if LEGACY_TOP_VOTE_WITHOUT_CAR not in metrics.columns:
         return metrics
     old = metrics.pop(LEGACY_TOP_VOTE_WITHOUT_CAR)
@@ -539,7 +537,7 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
     if any(c not in run_df.columns for c in need):
         return None
     params = {}
-    for key, default in DEFAULT_COLLAPSE.items():
+    for key, default in COLLAPSE_DEFAULTS.items():  # for runs that did not record theirs
         col = f"{CFG_PREFIX}collapse.{key}"
         value = (
             run_df[col].dropna().iloc[0] if col in run_df and run_df[col].notna().any() else None
@@ -562,9 +560,9 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
 DEGRADE_DROP = 0.10
 """`degradation`: validation accuracy must fall by more than this (absolute, from the run's
 first evaluation to its last) to call a run degraded or reward hacked. A round figure, chosen
-with the rule, when the PRM baselines were added, after the PRM sweep's seed 0 had run (docs/prm.md): there it flags the
-`prm`, `prm_om`, `prm_mean` and `prm_product` arms (drops 0.25 to 0.65) and not MV, OM-GRPO
-without CAR or `prm_last` (0.035, 0.082, 0.031)."""
+with the rule, when the PRM baselines were added, after the PRM sweep's seed 0 had run
+(docs/prm.md): there it flags the `prm`, `prm_om`, `prm_mean` and `prm_product` arms (drops 0.25
+to 0.65) and not MV, OM-GRPO without CAR or `prm_last` (0.035, 0.082, 0.031)."""
 
 REWARD_WINDOW = 3
 """`degradation` compares the mean `reward/total` of the first and the last this many training
