@@ -7,6 +7,7 @@ on the CPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -123,6 +124,27 @@ class WarmStartConfig:
     when one has this key, instead of training it; false trains it. Not part of the key."""
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The default `model.lora.target_modules`: every linear layer of a Llama / Qwen2 / Qwen3 block."""
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on the native trainer (peft): the base's weights stay frozen, rank-`rank` adapters
+    on `target_modules` train; the KL term's reference is the base itself (the policy with its
+    adapters switched off, no second copy of the weights). docs/real-models.md, "LoRA"."""
+
+    rank: int = 0
+    """r: the adapters' rank; 0 (the default) trains every weight (full fine-tuning)."""
+    alpha: float = 32.0
+    """The adapters' scale numerator: a layer computes W x + (alpha / rank) B A x."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input in the update (0 <= dropout < 1; peft's lora_dropout)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Names of the modules that get adapters (a module matches when its name is one of these
+    or ends with `.` + one of these, as in peft)."""
+
+
 @dataclass
 class ModelConfig:
     path: str | None = None
@@ -148,6 +170,8 @@ class ModelConfig:
     """Where toy base models are cached so every RL run starts from the same base."""
     gradient_checkpointing: bool = False
     """Trade compute for memory on real models."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (native trainer; `lora.rank` > 0 turns it on)."""
 
 
 @dataclass
@@ -327,6 +351,29 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
     if algo.answer_span not in ANSWER_SPANS:
         raise ValueError(
             f"unknown {prefix}.answer_span '{algo.answer_span}'; valid: {', '.join(ANSWER_SPANS)}"
+        )
+
+
+def validate_lora(lora: DictConfig, prefix: str = "model.lora") -> None:
+    """Reject LoRA settings peft cannot train with, naming the key (`prefix`.<field>)."""
+    rank = lora.rank
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"{prefix}.rank must be an integer >= 0 (0: no LoRA), got {rank!r}")
+    alpha = lora.alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+        raise ValueError(f"{prefix}.alpha must be a number > 0, got {alpha!r}")
+    dropout = lora.dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"{prefix}.dropout must be >= 0 and < 1, got {dropout!r}")
+    targets = lora.target_modules
+    if (
+        isinstance(targets, str)
+        or not targets
+        or not all(isinstance(t, str) and t.strip() for t in targets)
+    ):
+        raise ValueError(
+            f"{prefix}.target_modules must be a non-empty list of module names (e.g. "
+            f"[{', '.join(LORA_TARGETS)}]), got {targets!r}"
         )
 
 

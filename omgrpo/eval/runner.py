@@ -119,7 +119,7 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     """(model, tokenizer, model directory) with the chosen checkpoint's weights loaded."""
     from omegaconf import OmegaConf
 
-    from omgrpo.backends.native.checkpoint import STATE_FILE, verify_checkpoint
+    from omgrpo.backends.native.checkpoint import STATE_FILE, checkpoint_model, verify_checkpoint
     from omgrpo.models.loading import (
         base_model_dir,
         load_model,
@@ -136,11 +136,13 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     cfg = OmegaConf.create(target.config)
     dev = resolve_device(cfg.model.device if device == "auto" else device)
     base = base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
-    model = load_model(base, dev, resolve_dtype(cfg.model.dtype, dev))
-    if choice.path is not None:
+    dtype = resolve_dtype(cfg.model.dtype, dev)
+    if choice.path is None:
+        model = load_model(base, dev, dtype)
+    else:
         verify_checkpoint(Path(choice.path))  # names a damaged file
         state = torch.load(Path(choice.path) / STATE_FILE, map_location="cpu", weights_only=False)
-        model.load_state_dict(state["model"])
+        model = checkpoint_model(state, base, dev, dtype)  # a LoRA run's adapters merged
     return model.eval(), load_tokenizer(base), base
 
 

@@ -47,6 +47,20 @@ planned at its longest: a batch is padded to its longest row).
   Logits: 16 bytes per m·T·V element (model-dtype logits and their gradient, fp32 log-softmax,
   its gradient and the fp32 cast). Assumes a fused attention kernel (no T × T scores).
 - **optimizer step**: foreach AdamW's P·b denominator.
+- **LoRA** (`model.lora.rank` r > 0, `LoraShape`): A adapter parameters, r · (in + out) per
+  targeted module (counted on the meta device), in fp32 whatever b (peft's
+  `autocast_adapter_dtype`). Resident: the base's weights P·b, no reference copy (the
+  reference is the base with the adapters off), the adapters 4·A, their gradients 4·A and
+  AdamW's moments 8·A; nothing for the frozen base weights. Optimizer step: 4·A. Update: a
+  frozen linear keeps no input for a weight gradient, so a layer saves b·(2h + I) less per
+  token (the q/k/v input, the MLP's input, down_proj's input); each adapter saves its input in
+  fp32 (4 bytes per element: a copy per module over a bf16 / fp16 base; over an fp32 base the
+  modules reading one tensor share it, q/k/v/o and gate/up: `layer_shared_inputs`; with
+  dropout a dropped fp32 copy and its mask per module, 8 bytes per element: torch's CPU
+  dropout keeps an fp32 mask, CUDA's fused one a 1-byte mask, 3 bytes less) and its rank-r
+  output (4·r per module). Checked against the tensors autograd saves (tests/models/
+  test_memory.py, tiny Qwen2 / Qwen3 / Llama layers on the CPU: 1.05-1.13 of them). Generation and scoring are planned as without LoRA (the adapters' share of a
+  forward's working set is left out).
 
 Checked against a measurement on the CPU only (`omgrpo bench memory`: the backbones' layers and
 head layout with every width / 16, docs/memory.md); never on a GPU.
@@ -110,6 +124,67 @@ def model_shape(model_dir: str) -> ModelShape:
     return ModelShape.from_config(config, sum(p.numel() for p in model.parameters()), name)
 
 
+LORA_BYTES = 4  # peft keeps adapters in fp32 (omgrpo.models.lora.ADAPTER_DTYPE)
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    """The LoRA adapters of a model (`model.lora.*`), as the plan counts them."""
+
+    rank: int
+    params: int  # A: r · (in + out) summed over the targeted modules
+    modules: int  # targeted modules in the whole model
+    layer_modules: int  # ... in one decoder layer
+    layer_inputs: int  # the input widths of one layer's targeted modules, summed
+    layer_shared_inputs: int  # ... counting once the modules of one parent reading one width
+    dropout: bool  # model.lora.dropout > 0
+
+
+@functools.lru_cache(maxsize=8)
+def _linear_layers(model_dir: str) -> tuple[tuple[str, int, int], ...]:
+    """(module name, in, out) of every linear layer of the model whose `config.json` is in
+    `model_dir`, and of its embeddings (num_embeddings, dim), built on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            out.append((name, module.in_features, module.out_features))
+        elif isinstance(module, torch.nn.Embedding):
+            out.append((name, module.num_embeddings, module.embedding_dim))
+    return tuple(out)
+
+
+def lora_shape(model_dir: str, lora: Any) -> LoraShape | None:
+    """The adapters `lora` (a `model.lora` config node) puts on the model in `model_dir`; None
+    when LoRA is off (rank 0). A module is targeted as peft matches names: its name is a
+    target, or ends with `.` + a target."""
+    rank = int(lora.rank)
+    if rank <= 0:
+        return None
+    targets = list(lora.target_modules)
+    hits = [
+        (name, fan_in, fan_out)
+        for name, fan_in, fan_out in _linear_layers(str(model_dir))
+        if any(name == t or name.endswith("." + t) for t in targets)
+    ]
+    if not hits:
+        raise ValueError(f"model.lora.target_modules={targets} match no module of {model_dir}")
+    layer = [(n, i) for n, i, _ in hits if ".layers.0." in f".{n}"]
+    return LoraShape(
+        rank=rank,
+        params=sum(rank * (i + o) for _, i, o in hits),
+        modules=len(hits),
+        layer_modules=len(layer),
+        layer_inputs=sum(i for _, i in layer),
+        layer_shared_inputs=sum(i for _, i in {(n.rsplit(".", 1)[0], i) for n, i in layer}),
+        dropout=float(lora.dropout) > 0,
+    )
+
+
 @dataclass(frozen=True)
 class Sizes:
     """The config's numbers that set memory (one place, so knob searches can vary them)."""
@@ -136,6 +211,7 @@ class Sizes:
     car_new_tokens: int
     car_top_p: float
     max_batch_tokens: int | None = None  # rollout.max_batch_tokens (None: sized from memory)
+    lora: LoraShape | None = None  # model.lora.* (None: full fine-tuning; `plan_memory` sets it)
 
     @property
     def rows(self) -> int:
@@ -200,6 +276,15 @@ def _car_rows(rollouts: int, per_anchor: int, chunk_pairs: int) -> int:
 def resident_bytes(shape: ModelShape, s: Sizes) -> dict[str, int]:
     """What stays on the device through a step (from step 2 on)."""
     weights = shape.params * s.dtype_bytes
+    if s.lora is not None:  # the base frozen: no reference copy, no gradients, no moments
+        adapters = s.lora.params * LORA_BYTES
+        return {
+            "weights": weights,
+            "reference": 0,
+            "adapters": adapters,
+            "gradients": adapters,
+            "adamw_state": 2 * adapters,
+        }
     return {
         "weights": weights,
         "reference": weights if s.ref else 0,
@@ -208,13 +293,30 @@ def resident_bytes(shape: ModelShape, s: Sizes) -> dict[str, int]:
     }
 
 
-def _layer_saved_bytes(shape: ModelShape, b: int) -> int:
-    """Activations one layer saves for backward, per token."""
+def trainable_bytes(shape: ModelShape, s: Sizes) -> int:
+    """Bytes of the trained parameters (all weights, or the LoRA adapters)."""
+    if s.lora is not None:
+        return s.lora.params * LORA_BYTES
+    return shape.params * s.dtype_bytes
+
+
+def _layer_saved_bytes(shape: ModelShape, b: int, lora: LoraShape | None = None) -> int:
+    """Activations one layer saves for backward, per token (with `lora`: the frozen base's
+    and the adapters', module docstring)."""
     h, qd, kvd = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     saved = b * (2 * h + 4 * qd + 3 * kvd + 4 * shape.intermediate) + 8 * h
     if shape.model_type == "qwen3":  # q/k RMSNorms upcast q and k to fp32
         saved += 4 * (qd + kvd)
-    return saved
+    if lora is None:
+        return saved
+    saved -= b * (2 * h + shape.intermediate)  # inputs kept only for the frozen weights' grads
+    if lora.dropout:  # a dropped fp32 copy and its mask (fp32 on the CPU) per module
+        inputs = (LORA_BYTES + 4) * lora.layer_inputs
+    elif b != LORA_BYTES:  # an fp32 copy per module
+        inputs = LORA_BYTES * lora.layer_inputs
+    else:  # the modules' own inputs, shared
+        inputs = LORA_BYTES * lora.layer_shared_inputs
+    return saved + inputs + LORA_BYTES * lora.rank * lora.layer_modules
 
 
 def generation_kv_bytes(shape: ModelShape, s: Sizes, prompts: int, rows: int, new: int) -> int:
@@ -302,10 +404,11 @@ def activation_bytes(shape: ModelShape, s: Sizes, micro: int, checkpointing: boo
     b, h = s.dtype_bytes, shape.hidden
     tokens = micro * (s.prompt_len + s.new_tokens)
     head = micro * s.new_tokens * (4 * h + b * h)  # final norm (fp32) and lm_head input
+    layer = _layer_saved_bytes(shape, b, s.lora)
     if checkpointing:
-        return tokens * (shape.layers * b * h + _layer_saved_bytes(shape, b)) + head
+        return tokens * (shape.layers * b * h + layer) + head
     row_prompt_kv = kv_cache_bytes(shape, b, micro * s.prompt_len)  # copied per row for SDPA
-    return tokens * shape.layers * _layer_saved_bytes(shape, b) + row_prompt_kv + head
+    return tokens * shape.layers * layer + row_prompt_kv + head
 
 
 def update_checkpoints(shape: ModelShape, s: Sizes) -> bool:
@@ -332,7 +435,7 @@ def stage_transients(
     if s.old_pass or s.ref:
         out["scoring"] = (s.micro, _scoring_bytes(shape, s, s.micro))
     out["update"] = (s.micro, _update_bytes(shape, s, s.micro))
-    out["optimizer_step"] = (0, shape.params * s.dtype_bytes)
+    out["optimizer_step"] = (0, trainable_bytes(shape, s))
     if s.eval_rows:
         val = _chunk(shape, s, "validation", budget)
         out["validation"] = (val, chunk_generation_bytes(shape, s, val, s.eval_k, s.eval_top_p))
@@ -436,12 +539,11 @@ def plan_memory(
 ) -> MemoryPlan:
     """The plan of `cfg` (a composed config) for the model whose config.json is in
     `model_dir`, on a `device_type` device of `device_bytes` bytes."""
-    return build_plan(
-        model_shape(str(model_dir)),
-        sizes_from_config(cfg, device_type),
-        device_bytes,
-        str(model_dir),
-    )
+    sizes = sizes_from_config(cfg, device_type)
+    lora = getattr(cfg.model, "lora", None)
+    if lora is not None:
+        sizes = dataclasses.replace(sizes, lora=lora_shape(str(model_dir), lora))
+    return build_plan(model_shape(str(model_dir)), sizes, device_bytes, str(model_dir))
 
 
 def build_plan(shape: ModelShape, s: Sizes, device_bytes: int, model_dir: str = "") -> MemoryPlan:
@@ -519,7 +621,7 @@ def stage_knobs(shape: ModelShape, s: Sizes, stage: str, usable: int) -> list[st
             knobs.append("model.gradient_checkpointing=true")
         return knobs + tokens
     # optimizer step: weights, reference, gradients and AdamW state are what it holds
-    knobs = ["algorithm.kl_coef=0 (no reference model)"] if s.ref else []
+    knobs = ["algorithm.kl_coef=0 (no reference model)"] if s.ref and s.lora is None else []
     if s.dtype_bytes > 2:
         knobs.append("model.dtype=bf16")
     return [*knobs, "a larger device, or the verl backend with parameter / optimizer offload"]
@@ -566,6 +668,15 @@ def format_plan(plan: MemoryPlan) -> str:
         f"model     {shape.name} ({shape.model_type}): {shape.params:,} parameters, {s.dtype}",
         f"device    {gib(plan.device_bytes)} GiB; a stage may use "
         f"{gib(plan.usable_bytes)} GiB ({HEADROOM:.0%})",
+        *(
+            [
+                f"lora      rank {s.lora.rank} on {s.lora.modules} modules: "
+                f"{s.lora.params:,} adapter parameters, fp32; the base frozen, the reference "
+                "is the base with the adapters off"
+            ]
+            if s.lora is not None
+            else []
+        ),
         f"resident  {res} = {gib(sum(plan.resident.values()))} GiB",
         f"{'stage':<29}{'rows':>6}{'transient GiB':>15}{'peak GiB':>10}  fits",
     ]

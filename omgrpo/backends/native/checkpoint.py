@@ -1,7 +1,8 @@
 """Checkpoints that make `run.resume=true` continue a killed run exactly (on CPU, bit for bit).
 
-A checkpoint holds the policy, optimizer and scheduler state, every RNG the loop consumes, the
-loop's counters and the resolved config it was written under. It is written to a temporary
+A checkpoint holds the policy (every weight; with LoRA only the adapters, `model_weights`),
+optimizer and scheduler state, every RNG the loop consumes, the loop's counters and the
+resolved config it was written under. It is written to a temporary
 directory, its sha256 goes into `manifest.json`, `COMPLETE` is written last and the directory
 is renamed into place, so a kill during saving never leaves a half checkpoint that resume
 would pick; a file damaged later (a full disk, a bad copy) fails its checksum, is named in a
@@ -21,7 +22,16 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
+from omgrpo.models.loading import load_model
+from omgrpo.models.lora import (
+    adapter_state_dict,
+    apply_lora,
+    load_adapter_state,
+    lora_enabled,
+    merge_adapters,
+)
 from omgrpo.tracking import flatten
 from omgrpo.tracking.store import RunStore
 
@@ -94,6 +104,59 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def model_weights(model: torch.nn.Module, adapters: Any = None) -> dict[str, Any]:
+    """What a checkpoint holds of the policy: `model`'s whole state dict under "model"; with
+    LoRA (`adapters`, the peft wrapper of `model`) only the adapters' weights under
+    "adapters" and the frozen base's dtype under "base_dtype" (the base is the run's
+    `model.path` or toy base, unchanged by training: export and eval load it from there)."""
+    if adapters is None:
+        return {"model": model.state_dict()}
+    base_dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)
+    return {
+        "adapters": adapter_state_dict(adapters),
+        "base_dtype": str(base_dtype).removeprefix("torch."),
+    }
+
+
+def restore_weights(state: dict[str, Any], model: torch.nn.Module, adapters: Any = None) -> None:
+    """Load a checkpoint's `model_weights` into the policy (`adapters`: its peft wrapper when
+    the run trains LoRA adapters). Raises ValueError when one side has LoRA and the other
+    not."""
+    if adapters is None:
+        if "model" not in state:
+            raise ValueError("the checkpoint holds LoRA adapters, the run trains every weight")
+        model.load_state_dict(state["model"])
+        return
+    if "adapters" not in state:
+        raise ValueError("the checkpoint holds every weight, the run trains LoRA adapters")
+    load_adapter_state(adapters, state["adapters"])
+
+
+def checkpoint_model(
+    state: dict[str, Any], base: str, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.nn.Module:
+    """A plain Hugging Face model computing the checkpoint's policy: the base loaded in
+    `dtype` (None: the dtype the run trained in) with the checkpoint's weights, or with its
+    LoRA adapters merged into the base's weights (`merge_adapters`; a fresh copy of the base,
+    never a training policy)."""
+    if "adapters" not in state:
+        weights = state["model"]
+        if dtype is None:
+            dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
+        model = load_model(base, device, dtype)
+        model.load_state_dict(weights)
+        return model
+    if dtype is None:
+        dtype = getattr(torch, state["base_dtype"])
+    model_cfg = OmegaConf.create(state["config"]).model
+    if not lora_enabled(model_cfg):
+        raise ValueError("the checkpoint holds LoRA adapters but its config has model.lora.rank 0")
+    # the adapters' random start is overwritten by the checkpoint's: any seed
+    peft_model = apply_lora(load_model(base, device, dtype), model_cfg.lora, seed=0)
+    load_adapter_state(peft_model, state["adapters"])
+    return merge_adapters(peft_model)
+
+
 def save_checkpoint(
     path: Path,
     *,
@@ -103,7 +166,10 @@ def save_checkpoint(
     scheduler,
     loop_state: dict[str, Any],
     config: dict[str, Any],
+    adapters: Any = None,
 ) -> None:
+    """Write a checkpoint of `model` (with `adapters`, its peft wrapper: the LoRA adapters
+    only, `model_weights`) and the run state to `path`, atomically, with its checksum."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -111,7 +177,7 @@ def save_checkpoint(
     torch.save(
         {
             "step": step,
-            "model": model.state_dict(),
+            **model_weights(model, adapters),
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
             "rng": rng_state(),

@@ -3,7 +3,10 @@ read: `save_pretrained` (safetensors) + the base's tokenizer (chat template incl
 generation config, and `omgrpo_export.json` saying which run, step and config it came from.
 
 The weights are written in the dtype they were trained in (bf16 on a GPU, fp32 on the CPU),
-so the directory's model computes what the trainer's policy computed at that step.
+so the directory's model computes what the trainer's policy computed at that step. A LoRA
+run's checkpoint holds only its adapters: they are merged into a fresh copy of the base (W +
+(alpha / r) B A, rounded to the base's dtype; peft's `merge_and_unload`), and the directory is
+a plain model, no adapter files, no peft needed to load it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from omgrpo.backends.native.checkpoint import STATE_FILE, resume_relevant, verify_checkpoint
-from omgrpo.models.loading import base_model_dir, load_model
+from omgrpo.backends.native.checkpoint import (
+    STATE_FILE,
+    checkpoint_model,
+    resume_relevant,
+    verify_checkpoint,
+)
+from omgrpo.models.loading import base_model_dir
 from omgrpo.tracking import flatten
 
 EXPORT_META = "omgrpo_export.json"
@@ -68,18 +76,17 @@ def export_checkpoint(
     state = torch.load(
         checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=False, mmap=True
     )
-    config, step, weights = state["config"], int(state["step"]), state["model"]
+    config, step = state["config"], int(state["step"])
     base = run_base_dir(config)
-    dtype = next(t.dtype for t in weights.values() if t.is_floating_point())
     # written aside and renamed into place: a killed export leaves no half directory at `out`
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    model = load_model(base, torch.device("cpu"), dtype)
-    model.load_state_dict(weights)
+    model = checkpoint_model(state, base, torch.device("cpu"))  # the adapters merged, if any
+    dtype = model.dtype
     model.save_pretrained(tmp)
     model.generation_config.save_pretrained(tmp)
-    del model, weights, state
+    del model, state
     gc.collect()  # the caller may build vLLM next: no torch copy of the weights is left
     AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
     write_export_meta(

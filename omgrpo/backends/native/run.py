@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from omgrpo.backends.native.checkpoint import load_latest_intact_checkpoint, set_rng_state
+from omgrpo.backends.native.checkpoint import (
+    load_latest_intact_checkpoint,
+    restore_weights,
+    set_rng_state,
+)
 from omgrpo.backends.native.mechanism import MechanismProbe
-from omgrpo.config import to_container, validate_algorithm
+from omgrpo.config import to_container, validate_algorithm, validate_lora
 from omgrpo.core.answers import Grader
 from omgrpo.core.process import aggregate
 from omgrpo.core.rewards import get_reward
@@ -32,6 +38,7 @@ from omgrpo.models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from omgrpo.models.lora import adapters_off, apply_lora, lora_enabled, trainable_parameters
 from omgrpo.models.memory import check_memory_plan
 from omgrpo.models.toy_prm import configured_prm
 from omgrpo.tasks import TASKS, Problem, PromptEncoder, check_prompt_lengths, load_task
@@ -50,8 +57,12 @@ class Run:
     base: str  # base model directory
     device: torch.device
     tokenizer: Any
+    # the Hugging Face model that generates, scores and trains; with LoRA its targeted linear
+    # layers are peft's LoRA layers (the engine calls its modules directly)
     policy: torch.nn.Module
-    ref: torch.nn.Module | None  # reference model for the KL term (None when kl_coef = 0)
+    # a frozen copy of the base for the KL term (None when kl_coef = 0, or with LoRA, whose
+    # reference is the policy with its adapters switched off: `reference`)
+    ref: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     encode: PromptEncoder
@@ -62,6 +73,25 @@ class Run:
     total_steps: int
     mechanism: MechanismProbe | None = None  # `diagnostics.mechanism_every`
     prm: Any = None  # the frozen process reward model of the `process` reward (None: unused)
+    adapters: Any = None  # with `model.lora.rank` > 0: the peft wrapper of `policy`
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss has a KL term to a reference model (`algorithm.kl_coef` > 0)."""
+        return self.ref is not None or (
+            self.adapters is not None and self.cfg.algorithm.kl_coef > 0
+        )
+
+    @contextmanager
+    def reference(self) -> Iterator[torch.nn.Module]:
+        """The reference model of the KL term, for the duration: the frozen copy of the base,
+        or with LoRA the policy itself with its adapters switched off (the same weights: the
+        frozen base; no second copy)."""
+        if self.adapters is None:
+            yield self.ref
+            return
+        with adapters_off(self.adapters) as base:
+            yield base
 
     def sample(self, problems: list[Problem], n: int, temperature: float, top_p: float, **kw):
         """n responses per problem from the policy (prompts through the chat template), in
@@ -102,10 +132,13 @@ def setup(cfg: DictConfig) -> Run:
         check_memory_plan(cfg, base, device)
     tokenizer = load_tokenizer(base)
     policy = load_model(base, device, dtype)
+    adapters = None
+    if lora_enabled(cfg.model):  # `policy` is changed in place and stays the HF model
+        adapters = apply_lora(policy, cfg.model.lora, seed=cfg.seed)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     ref = None
-    if cfg.algorithm.kl_coef > 0:
+    if cfg.algorithm.kl_coef > 0 and adapters is None:
         ref = load_model(base, device, dtype).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tokenizer, policy)
     prm = None
@@ -119,7 +152,7 @@ def setup(cfg: DictConfig) -> Run:
     steps_per_epoch = math.ceil(len(splits.train) / cfg.trainer.prompts_per_step)
     total_steps = cfg.trainer.steps or cfg.trainer.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(
-        policy.parameters(),
+        trainable_parameters(policy),  # all of them, or the LoRA adapters
         lr=cfg.optim.lr,
         betas=tuple(cfg.optim.betas),
         eps=cfg.optim.eps,
@@ -146,6 +179,7 @@ def setup(cfg: DictConfig) -> Run:
         total_steps=total_steps,
         mechanism=MechanismProbe.build(cfg, policy, ref, tokenizer, encode, splits.val, stop_ids),
         prm=prm,
+        adapters=adapters,
     )
 
 
@@ -158,6 +192,7 @@ def check_config(cfg) -> None:
     if cfg.task.name not in TASKS:
         raise ValueError(f"unknown task '{cfg.task.name}'; valid tasks: {', '.join(sorted(TASKS))}")
     validate_algorithm(cfg.algorithm, "algorithm")
+    validate_lora(cfg.model.lora, "model.lora")
     if cfg.rollout.n < 2:
         raise ValueError("rollout.n must be >= 2: group advantages need at least two rollouts")
     tokens = cfg.rollout.max_batch_tokens
@@ -195,7 +230,7 @@ def resume_or_start(run: Run) -> LoopState:
     )
     if checkpoint is not None:
         saved = checkpoint[1]
-        run.policy.load_state_dict(saved["model"])
+        restore_weights(saved, run.policy, run.adapters)
         run.optimizer.load_state_dict(saved["optimizer"])
         run.scheduler.load_state_dict(saved["scheduler"])
         set_rng_state(saved["rng"])

@@ -184,9 +184,9 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
                 policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats
             )
     ref_logprobs = None
-    if run.ref is not None:
-        with timer("ref_logprob"):
-            ref = response_logprobs(run.ref, seqs, cfg.algorithm.micro_batch_size)
+    if run.has_reference:  # a frozen copy, or with LoRA the policy with its adapters off
+        with timer("ref_logprob"), run.reference() as reference:
+            ref = response_logprobs(reference, seqs, cfg.algorithm.micro_batch_size)
             ref_logprobs = ref["logprobs"]
     with timer("reward"):  # answers, rewards and advantages
         batch = score_step(
@@ -288,6 +288,7 @@ def save(run: Run, state: LoopState) -> None:
         scheduler=run.scheduler,
         loop_state=loop,
         config=run.config,
+        adapters=run.adapters,  # with LoRA the checkpoint holds the adapters, not the base
     )
     run.store.prune_checkpoints(run.cfg.trainer.keep_checkpoints, run.cfg.trainer.keep_best)
 
