@@ -7,7 +7,7 @@ import torch
 from conftest import TINY
 
 
-def train_tiny_run(root: Path, base_cache: str) -> Path:
+def train_tiny_run(root: Path, base_cache: str, extra: tuple[str, ...] = ()) -> Path:
     """3 steps with checkpoints at steps 2 and 3, on one torch thread (far faster for the tiny
     model on a shared 2-core machine; torch's thread count is restored afterwards).
 
@@ -28,6 +28,7 @@ def train_tiny_run(root: Path, base_cache: str) -> Path:
         "trainer.save_every=2",
         "trainer.keep_checkpoints=2",
         "trainer.threads=1",
+        *extra,  # e.g. model.lora.rank=4
     ]
     try:
         return train(compose(overrides))
