@@ -58,9 +58,10 @@ planned at its longest: a batch is padded to its longest row).
   modules reading one tensor share it, q/k/v/o and gate/up: `layer_shared_inputs`; with
   dropout a dropped fp32 copy and its mask per module, 8 bytes per element: torch's CPU
   dropout keeps an fp32 mask, CUDA's fused one a 1-byte mask, 3 bytes less) and its rank-r
-  output (4·r per module). Checked against the tensors autograd saves (tests/models/
-  test_memory.py, tiny Qwen2 / Qwen3 / Llama layers on the CPU: 1.05-1.13 of them). Generation and scoring are planned as without LoRA (the adapters' share of a
-  forward's working set is left out).
+  output (4·r per module). Checked against the tensors autograd saves (tiny Qwen2 / Qwen3 /
+  Llama layers on the CPU, tests/models/test_memory_lora.py): 1.04-1.15 of them. Generation
+  and scoring are planned as without LoRA (the adapters' share of a forward's working set is
+  left out).
 
 Checked against a measurement on the CPU only (`omgrpo bench memory`: the backbones' layers and
 head layout with every width / 16, docs/memory.md); never on a GPU.
