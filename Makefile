@@ -95,20 +95,23 @@ format: setup
 # TEST_WORKERS=0 runs it in one process. Tiers (markers in pyproject.toml): `make test` is the
 # whole suite, what CI runs; `make test-fast` leaves out the `slow` tests (training, whole verbs)
 # and the `e2e` ones (verl workers, servers, subprocesses, wheel builds, notebooks).
+# `--dist loadgroup` hands out one test at a time, but the tests of an `xdist_group` to one
+# worker, first (test_verl_e2e.py: its module fixtures, two verl runs, then start once).
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 test: setup lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup lint
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) -m "not slow and not e2e" $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q $(XDIST) -m "not slow and not e2e" $(PYTEST_ARGS)
 
 # durations: rerun the whole suite and rewrite tests/durations.txt, every test's time (slowest
 # first), the snapshot that tells which tests to mark `slow` or `e2e`.
 durations: setup
 	{ echo "# make durations: $$(date -u +%F), commit $$(git rev-parse --short HEAD), $$(nproc) cores, $(TEST_WORKERS) workers"; \
-	  $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --durations=0 --durations-min=0.5 -p no:cacheprovider \
+	  $(VENV)/bin/pytest -q $(XDIST) --durations=0 --durations-min=0.5 -p no:cacheprovider \
 	  | sed -En '/slowest durations/,/short test summary|^[0-9]+ (passed|failed)/p'; } > tests/durations.txt
 
 # The collapse study v2's central comparison in the shortcut world (sweeps/collapse_demo.yaml):

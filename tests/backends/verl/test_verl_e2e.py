@@ -3,28 +3,33 @@ mask or metric lost between verl's processes).
 
 `omgrpo train backend=verl` runs in a fresh process with verl's own trainer, Ray, FSDP2 workers,
 TransferQueue and agent loop; the test-only harness (`tests/verl_cpu/`) adds only what verl lacks
-on a CPU (a cpu platform, an "hf" rollout server). The plugin is loaded through its real
-`verl.plugins` entry point. Everything asserted comes from what the processes wrote: verl's file
-logger (the driver's metrics, checked by the GPU smoke test's `check_run`) and the rollout
-server's request log.
+on a CPU (a cpu platform, an "hf" rollout server) and a reward part that differs within every
+group (`omgrpo_cpu_reward`: advantages of both signs in every step by construction). The plugin
+is loaded through its real `verl.plugins` entry point. Everything asserted comes from what the
+processes wrote: verl's file logger (the driver's metrics, checked by the GPU smoke test's
+`check_run`) and the rollout server's request log.
 
-Each verl process costs ~2 min of startup on 2 cores, so the checks share processes: one run of
-OM-GRPO with CAR (2 steps, collapse stop forced, a checkpoint at step 2), and one run each of
-`method=mv` and `method=gt` (1 step), side by side, and one step of `method=prm` (a tiny random
-PRM in its Ray actor). The OM-GRPO run's omgrpo run store is then
-read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export` (verl's
-model merger) -> `transformers` (the actor's log-probs) -> `omgrpo eval`.
+Each verl process costs ~2 min of startup on 2 cores (a dozen processes that each import verl),
+so the tests share two runs, each started once for the module (module fixtures; the
+`xdist_group` keeps the tests on one pytest-xdist worker): OM-GRPO with CAR at w = 0 (2 steps,
+collapse stop forced, a checkpoint at step 2), and one step at w = 1 whose reward holds the
+parts of the w = 1 methods tested here, majority voting, GT and the PRM's process reward (a
+tiny random PRM in its Ray actor) with format. Each part is logged on its own, so each method's
+reward is checked as in a run of that method alone; that `method=mv` / `method=gt` select
+exactly these settings is checked on their composed configs. The OM-GRPO run's omgrpo run store
+is then read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export`
+(verl's model merger) -> `transformers` (the actor's log-probs) -> `omgrpo eval`.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).parent / "verl_cpu"))
 import harness
@@ -32,11 +37,15 @@ from toy_models import tiny_qwen3_config
 
 from omgrpo.backends.verl.smoke import COLLAPSE_AT_STEP_2, check_run, read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+# one worker runs the module, so each module fixture (a verl run) starts once per suite
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group("verl_e2e")]
 
 TIMEOUT_S = 900  # per verl process (a guard against hangs; ~2 min each on 2 idle cores)
 G = 8
 PROMPTS = 2  # data.train_batch_size
+SPREAD = "harness_spread"  # verl_cpu/omgrpo_cpu_reward.py: i * 1e-3 for rollout i of a group
+OM_GRPO_PARTS = ("soft_vote", "format", SPREAD)
+W1_PARTS = ("majority_vote", "gt", "process", "format", SPREAD)
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +56,38 @@ def setup(base_cache, tmp_path_factory):
 
 
 RUN_NAME = "paper_qwen3_1p7b__om_grpo__s0"  # the preset's <experiment>__<variant>__s<seed>
+W1_RUN_NAME = "paper_qwen3_1p7b__prm__s0"
+
+
+def _parts(parts: tuple[str, ...]) -> str:
+    return f"omgrpo.reward.parts=[{','.join(parts)}]"
+
+
+@pytest.fixture(scope="module")
+def om_grpo_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """3 OM-GRPO steps asked for (w = 0, soft vote + format, CAR) with the collapse detector
+    forced to fire at step 2 and `stop=true`; a checkpoint at step 2 (the export below), the
+    rollouts of both steps in the run store. (its folder, verl's logged steps)"""
+    out = tmp_path_factory.mktemp("om_grpo")
+    store_args = ["trainer.save_freq=2", "omgrpo.run.log_rollouts_every=1"]
+    extra = [*COLLAPSE_AT_STEP_2, *store_args, _parts(OM_GRPO_PARTS)]
+    return out, _run(out, setup, steps=3, extra=extra)
+
+
+@pytest.fixture(scope="module")
+def w1_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
+    """One step at w = 1 (`method=prm`, no CAR) whose reward holds MV's, GT's and the PRM's
+    parts (+ format): a tiny random token-classification PRM in its Ray actor on the CPU.
+    (its folder, verl's logged steps)"""
+    out = tmp_path_factory.mktemp("w1")
+    prm = tiny_prm(setup[0], out / "prm")
+    extra = [
+        "method=prm",
+        f"omgrpo.reward.prm.path={prm}",
+        "omgrpo.reward.prm.format=token_classification",
+        _parts(W1_PARTS),
+    ]
+    return out, _run(out, setup, 1, extra)
 
 
 def _run(out: Path, setup, steps: int, extra: list[str]) -> dict[int, dict]:
@@ -69,7 +110,7 @@ def _served_by_version(out: Path, tokenizer) -> dict[int, tuple[list[str], list[
     return dict(by_version)
 
 
-def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
+def test_om_grpo_car_two_steps_and_collapse_stop(om_grpo_run, setup, tmp_path, metric_table):
     """2 OM-GRPO steps (w = 0, soft vote + format, CAR); the collapse detector is forced to fire
     at step 2 with `stop=true`, so a 3-step run ends after step 2."""
     from transformers import AutoTokenizer
@@ -77,27 +118,28 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
     from omgrpo.core.answers import extract_boxed
     from omgrpo.core.car import read_pair_answer
 
-    # a checkpoint at step 2 (the export below), the rollouts of both steps in the run store
-    store_args = ["trainer.save_freq=2", "omgrpo.run.log_rollouts_every=1"]
-    steps = _run(tmp_path, setup, steps=3, extra=COLLAPSE_AT_STEP_2 + store_args)
+    out, steps = om_grpo_run
     problems = check_run(
         steps,
         expect_steps=2,
         answer_weight=0.0,
         car=True,
-        reward_parts=("soft_vote", "format"),
+        reward_parts=OM_GRPO_PARTS,
         collapse_step=2,
     )
     assert not problems, "\n".join(problems)
+    # the harness's spread gives every step advantages of both signs, so the w = 0 check above
+    # (answer tokens hold exactly 0 of the PG weight) ran on both steps
+    assert all(m["critic/advantages/max"] > 0 > m["critic/advantages/min"] for m in steps.values())
     logged = {name for m in steps.values() for name in m}
     assert metric_table.undocumented(logged, "verl") == []  # docs/metrics.md
-    log = (tmp_path / "train.log").read_text()
+    log = (out / "train.log").read_text()
     assert "omgrpo: collapse detected at step 2" in log
     assert "ending training after step 2" in log
     assert steps[2]["kl/reasoning"] > 0  # the policy moved in step 1 (the KL is 0 in step 1)
 
     # The soft vote and CAR scored what the rollout server generated in that step.
-    served = _served_by_version(tmp_path, AutoTokenizer.from_pretrained(setup[0]))
+    served = _served_by_version(out, AutoTokenizer.from_pretrained(setup[0]))
     assert len(served) == 2, f"weights of steps {sorted(served)} served, expected 2 versions"
     for (step, m), version in zip(sorted(steps.items()), sorted(served)):
         rollouts, pairs = served[version]
@@ -110,28 +152,35 @@ def test_om_grpo_car_two_steps_and_collapse_stop(setup, tmp_path, metric_table):
         # the pool: G rollouts + the group's valid pair answers, averaged over the groups
         votes = sum(r.answer is not None for r in read)
         assert m["car/pool_size"] == pytest.approx(G + votes / PROMPTS), step
-    check_run_store(tmp_path / "runs" / RUN_NAME, steps, served)
-    check_report_export_eval(tmp_path / "runs" / RUN_NAME, tmp_path, setup)
+    check_run_store(out / "runs" / RUN_NAME, steps, served)
+    check_report_export_eval(out / "runs" / RUN_NAME, tmp_path, setup)
 
 
-def test_mv_and_gt_one_step(setup, tmp_path):
-    """One step each of majority voting and the GT reward (w = 1), run side by side (two verl
-    processes at once: ~1 min less than one after the other on 2 cores): answer tokens keep
-    their advantage, so their share of the PG weight is > 0 (exactly 0 with w = 0 above)."""
-    parts = {"mv": "majority_vote", "gt": "gt"}
-    # GT rewards are sparser (the toy base gets ~1 in 3 right): 4 prompts for gt
-    extra = {"mv": ["method=mv"], "gt": ["method=gt", "data.train_batch_size=4"]}
-    with ThreadPoolExecutor(len(parts)) as pool:
-        runs = {m: pool.submit(_run, tmp_path / m, setup, 1, extra[m]) for m in parts}
-        steps = {m: run.result() for m, run in runs.items()}
-    for method, part in parts.items():
-        problems = check_run(
-            steps[method], expect_steps=1, answer_weight=1.0, car=False, reward_parts=(part,)
-        )
-        assert not problems, f"method={method}:\n" + "\n".join(problems)
-        assert "reward/soft_vote" not in steps[method][1], method
-    # the GT reward is the correctness the diagnostics measure
-    assert steps["gt"][1]["reward/gt"] == pytest.approx(steps["gt"][1]["acc/train"])
+def test_mv_and_gt_one_step(w1_run, setup):
+    """Majority voting's and the GT reward's parts in a verl step at w = 1: each is logged, the
+    GT reward is the correctness the diagnostics measure, and answer tokens keep their
+    advantage, so their share of the PG weight is > 0 (exactly 0 with w = 0 above).
+    `method=mv` and `method=gt` select exactly that: their part, w = 1, no CAR, as the run."""
+    from omgrpo.backends.verl.config import compose_verl
+    from omgrpo.tracking.store import RunStore
+
+    out, steps = w1_run
+    problems = check_run(steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=W1_PARTS)
+    assert not problems, "\n".join(problems)
+    m = steps[1]
+    assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"]  # the check above ran
+    assert "reward/soft_vote" not in m and "car/pool_size" not in m
+    assert m["reward/gt"] == pytest.approx(m["acc/train"])
+    assert 0 <= m["reward/majority_vote"] <= 1 and m["answers/extract_rate"] > 0
+
+    run = RunStore(out / "runs" / W1_RUN_NAME).read_config()
+    base, train, val = setup
+    args = [a for a in harness.overrides(base, train, val, 1, G) if not a.startswith("experiment=")]
+    for method, part in {"mv": "majority_vote", "gt": "gt"}.items():
+        om = compose_verl("paper_qwen3_1p7b", [*args, f"method={method}"]).omgrpo
+        assert list(om.reward.parts) == [part], method
+        assert OmegaConf.to_container(om.algorithm) == run["algorithm"], method
+        assert om.car.enable is False and run["car"]["enable"] is False, method
 
 
 def tiny_prm(base: Path, out: Path) -> Path:
@@ -148,20 +197,12 @@ def tiny_prm(base: Path, out: Path) -> Path:
     return out
 
 
-def test_prm_one_step(setup, tmp_path, metric_table):
-    """One step of `method=prm` (the appendix's PRM baselines): the PRM actor loads the
-    checkpoint on the CPU, the agent loop's groups get the process reward (+ format), and the
-    PRM's diagnostics reach verl's log under the native names."""
-    prm = tiny_prm(setup[0], tmp_path / "prm")
-    extra = [
-        "method=prm",
-        f"omgrpo.reward.prm.path={prm}",
-        "omgrpo.reward.prm.format=token_classification",
-    ]
-    steps = _run(tmp_path, setup, 1, extra)
-    problems = check_run(
-        steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=("process", "format")
-    )
+def test_prm_one_step(w1_run, metric_table):
+    """A verl step with the PRM's process reward (`method=prm`, the appendix's PRM baselines):
+    the PRM actor loads the checkpoint on the CPU, the agent loop's groups get the process
+    reward (+ format), and the PRM's diagnostics reach verl's log under the native names."""
+    out, steps = w1_run
+    problems = check_run(steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=W1_PARTS)
     assert not problems, "\n".join(problems)
     m = steps[1]
     logged = set(m)
@@ -170,7 +211,7 @@ def test_prm_one_step(setup, tmp_path, metric_table):
     assert 0 < m["prm/step_score_mean"] < 1
     # no rollout was left unscored, so the process reward is the aggregate itself
     assert m["reward/process"] == pytest.approx(m["prm/aggregate_mean"])
-    check_prm_rollouts(tmp_path / "runs" / "paper_qwen3_1p7b__prm__s0")
+    check_prm_rollouts(out / "runs" / W1_RUN_NAME)
 
 
 def check_prm_rollouts(run_dir: Path) -> None:

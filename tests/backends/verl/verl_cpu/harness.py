@@ -3,7 +3,9 @@
 `omgrpo train backend=verl` runs unchanged; what makes it run without a GPU is injected from
 outside: the modules `omgrpo_cpu_platform` (a "cpu" verl platform) and `omgrpo_cpu_rollout`
 (an "hf" rollout backend) loaded by verl in every process through `VERL_USE_EXTERNAL_MODULES`,
-Ray started with logical GPUs, and the config overrides below. omgrpo's plugin itself is loaded
+Ray started with logical GPUs, and the config overrides below. A third module,
+`omgrpo_cpu_reward`, adds a reward part that the tests put in their runs so that every group's
+rewards differ (advantages of both signs by construction, not by sampling luck). omgrpo's plugin itself is loaded
 through its real `verl.plugins` entry point. docs/verl.md ("The CPU harness") says what each
 piece works around, with the verl 0.9.1 lines.
 """
@@ -25,7 +27,7 @@ from omgrpo.tasks.toy import ToyWorldSpec, generate_toy_splits
 
 HARNESS_DIR = Path(__file__).resolve().parent
 REPO = HARNESS_DIR.parents[3]
-MODULES = "omgrpo_cpu_platform,omgrpo_cpu_rollout,omgrpo.backends.verl.plugin"
+MODULES = "omgrpo_cpu_platform,omgrpo_cpu_rollout,omgrpo.backends.verl.plugin,omgrpo_cpu_reward"
 SERVER_LOG = "OMGRPO_HF_SERVER_LOG"  # the hf server appends one JSON line per request here
 
 # A toy base that closes \boxed{} within ~30 tokens (hidden 64, 2 layers, toy BPE, ChatML) and
@@ -95,6 +97,8 @@ def overrides(base: Path, train: Path, val: Path, steps: int, n: int) -> list[st
         # logical resources: each bundle asks for max_colocate_count CPUs + 1 GPU
         "ray_kwargs.ray_init.num_cpus=8",
         "+ray_kwargs.ray_init.num_gpus=1",
+        # Ray's dashboard (a server and a dozen module processes) is never read here
+        "+ray_kwargs.ray_init.include_dashboard=false",
         # the preset sets this list in Ray's runtime env, replacing the shell's
         f"ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES={modules}",
     ]
