@@ -1,7 +1,8 @@
 """`omgrpo plan backend=verl experiment=X ...` (the per-GPU plan of a verl preset,
 `omgrpo.models.verl_memory`) and `omgrpo plan --table` (what fits where: the paper's three
 backbones on 24 / 48 / 80 GiB, native trainer and verl; README "Real models" pastes it and
-tests/models/test_verl_memory.py checks the paste)."""
+tests/models/test_verl_memory.py checks the paste); `omgrpo plan --table --lora` (the native
+trainer with LoRA, the three backbones: docs/real-models.md, "LoRA")."""
 
 from __future__ import annotations
 
@@ -29,6 +30,14 @@ NATIVE = {
     "native, paper + small step": SMALL_STEP,
     "native, small step + `algorithm.kl_coef=0`": [*SMALL_STEP, "algorithm.kl_coef=0"],
 }
+# LoRA (rank 64 on every block linear, `model.lora.*`): the README's table has these rows for
+# the backbone whose full fine-tuning does not fit one card; `lora_table` has all three
+LORA = ["model.lora.rank=64"]
+NATIVE_LORA = {
+    "native, paper + LoRA (`model.lora.rank=64`)": LORA,
+    "native, small step + LoRA": [*SMALL_STEP, *LORA],
+}
+LORA_BACKBONES = ("Qwen2.5-7B",)
 
 
 def _native_cell(cfg, model_dir: Path, gb: int) -> str:
@@ -60,20 +69,40 @@ def _verl_cell(model_dir: Path, gb: int) -> str:
     return f"fits ({how}; vLLM {st.gpu_memory_utilization:.2f})"
 
 
-def fit_table() -> str:
-    """The markdown table of what fits where (peaks in GiB, the largest stage named)."""
+def _native_rows(label: str, rows: dict[str, list[str]]) -> list[str]:
     from omgrpo.config import compose
 
+    model_dir = CONFIGS / BACKBONES[label]
+    lines = []
+    for name, extra in rows.items():
+        cfg = compose(["experiment=paper", f"model.path={model_dir}", *extra])
+        cells = [_native_cell(cfg, model_dir, gb) for gb in DEVICES_GB]
+        lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _head() -> list[str]:
     head = "| backbone | trainer | " + " | ".join(f"{gb} GiB" for gb in DEVICES_GB) + " |"
-    lines = [head, "|---|---|" + "---|" * len(DEVICES_GB)]
+    return [head, "|---|---|" + "---|" * len(DEVICES_GB)]
+
+
+def fit_table() -> str:
+    """The markdown table of what fits where (peaks in GiB, the largest stage named)."""
+    lines = _head()
     for label, fixture in BACKBONES.items():
-        model_dir = CONFIGS / fixture
-        for name, extra in NATIVE.items():
-            cfg = compose(["experiment=paper", f"model.path={model_dir}", *extra])
-            cells = [_native_cell(cfg, model_dir, gb) for gb in DEVICES_GB]
-            lines.append(f"| {label} | {name} | " + " | ".join(cells) + " |")
-        cells = [_verl_cell(model_dir, gb) for gb in DEVICES_GB]
+        lines += _native_rows(label, NATIVE)
+        if label in LORA_BACKBONES:
+            lines += _native_rows(label, NATIVE_LORA)
+        cells = [_verl_cell(CONFIGS / fixture, gb) for gb in DEVICES_GB]
         lines.append(f"| {label} | verl, one GPU | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def lora_table() -> str:
+    """The native trainer's LoRA rows for the three backbones (docs/real-models.md, "LoRA")."""
+    lines = _head()
+    for label in BACKBONES:
+        lines += _native_rows(label, NATIVE_LORA)
     return "\n".join(lines)
 
 
@@ -110,6 +139,6 @@ def verl_plan_main(args: list[str]) -> int:
 
 def main(args: list[str]) -> int:
     if "--table" in args:
-        print(fit_table())
+        print(lora_table() if "--lora" in args else fit_table())
         return 0
     return verl_plan_main(args)

@@ -224,3 +224,15 @@ def test_qwen2p5_7b_paper_step_with_lora_fits_80_gib():
         compose(["experiment=paper", f"model.path={model_dir}"]), model_dir, 80 * GIB
     )
     assert not full.fits
+
+
+def test_real_models_doc_pastes_the_lora_table():
+    """docs/real-models.md ("LoRA") holds what `omgrpo plan --table --lora` prints."""
+    from pathlib import Path
+
+    from omgrpo.tools.plan_table import lora_table
+
+    doc = Path(__file__).resolve().parents[2] / "docs" / "real-models.md"
+    assert lora_table() in doc.read_text(), (
+        "docs/real-models.md: paste `omgrpo plan --table --lora`"
+    )
