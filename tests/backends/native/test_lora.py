@@ -167,6 +167,39 @@ def test_the_policy_is_the_hf_model_and_its_reference_is_the_base_without_a_copy
     assert torch.equal(response_logprobs(model, seqs)["logprobs"], with_adapters)  # back on
 
 
+@torch.no_grad()
+def test_the_engines_decoder_runs_the_adapters():
+    """Greedy rollouts of the LoRA policy through the engine's decoder (lean on this Qwen3, a
+    K/V cache, prompts shared by their rows) are the tokens of a plain full-forward greedy
+    loop of the same model, and not the base's: a decoder that read the base layers' weights
+    beside the LoRA modules (a fused projection, say) would decode the base instead."""
+    from omgrpo.generation.rollout import sample
+
+    model, base, peft_model, tok = _lora_toy(seed=2)
+    prompts = [tok("Evaluate left to right: 7+5", add_special_tokens=False)["input_ids"]]
+    prompts.append(tok("Q: 2*3", add_special_tokens=False)["input_ids"])
+    new = 12
+    kw = dict(n=2, max_new_tokens=new, temperature=0.0, top_p=1.0, eos_id=[-1], pad_id=0)
+
+    def plain_greedy(m):
+        rows = []
+        for p in prompts:
+            ids = torch.tensor([p])
+            for _ in range(new):
+                ids = torch.cat([ids, m(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            rows += [ids[0, len(p) :].tolist()] * 2
+        return rows
+
+    model.eval()
+    decoded = sample(model, prompts, **kw).response_ids.tolist()
+    expected, of_base = plain_greedy(model), plain_greedy(base)
+    assert expected != of_base  # the adapters change the greedy tokens here
+    assert decoded == expected
+    with adapters_off(peft_model) as reference:
+        assert sample(reference, prompts, **kw).response_ids.tolist() == of_base
+    del peft_model
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_answer_tokens_get_exactly_zero_gradient_under_lora(monkeypatch, kl_coef):
     """OM-GRPO's mask (w = 0, the KL term masked too) through the trainer's update on a LoRA
