@@ -9,10 +9,10 @@ fit, part of one prompt's rows (`row_chunks`). Memory of a chunk of `prompts` pr
 `omgrpo.models.memory` for the symbols):
 
 - K/V cache: layers x 2 x K/V heads x head dim x b bytes per token (`kv_cache_bytes`); the lean
-  decoder holds each prompt once and grows each row's own cache up to T tokens, the HF cache
-  (and CAR, whose pair prompts are copied per row) holds the prompt per row. Growing a layer's
-  cache or dropping finished rows copies one layer's K or V while the old one is alive
-  (1 / (2 · layers) of the cache).
+  decoder holds each prompt once and allocates each row's own cache at T tokens when the chunk
+  starts (static shapes, for CUDA graphs), the HF cache (and CAR, whose pair prompts are
+  copied per row) holds the prompt per row. Dropping finished rows copies one layer's K or V
+  while the old one is alive (1 / (2 · layers) of the cache).
 - the prefill's working set of one layer over the prompt tokens (`layer_work_bytes`);
 - sampling over rows x vocab: b + 12 bytes per element (fp32 probabilities, cumulative sums),
   b + 32 with top-p < 1 (sort values, int64 order); the rows' uniform draws, 4 bytes per row
@@ -123,7 +123,7 @@ def generation_bytes(
     """Peak transient bytes of generating one chunk (module docstring)."""
     b = dtype_bytes
     kv = kv_cache_bytes(shape, b, kv_tokens(shape, prompts, rows, prompt_len, new_tokens, per_row))
-    copy = kv // (2 * shape.layers)  # one layer's K or V copied (cache grown, rows dropped)
+    copy = kv // (2 * shape.layers)  # one layer's K or V copied (finished rows dropped)
     prefill = (rows if per_row else prompts) * prompt_len * layer_work_bytes(shape, b)
     draws = rows * new_tokens * 4
     return kv + copy + prefill + sampling_bytes(shape, b, rows, top_p) + draws

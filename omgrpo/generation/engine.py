@@ -8,10 +8,13 @@ Decode (`decode`): one token per row per step on top of the prefill, a stop rule
 batch ends once every row has stopped. Two interchangeable backends:
 
 - `_LeanKV`, for Llama-family decoders (Llama, Qwen2, Qwen3): the model's own modules, a KV cache
-  for the new tokens grown as they come, and attention split into the shared prefix (kept once per
-  prefix node and read by all of its rows, never copied per row) and each row's own new tokens.
-  It skips the per-call work of an HF forward (mask building, cache concatenation, repeating KV
-  heads), which is most of a decode step for a small model.
+  for the new tokens allocated once at the chunk's length (static shapes), and attention split
+  into the shared prefix (kept once per prefix node and read by all of its rows, never copied
+  per row) and each row's own new tokens. It skips the per-call work of an HF forward (mask
+  building, cache concatenation, repeating KV heads), which is most of a decode step for a
+  small model. On CUDA each step is replayed as a CUDA graph (`_CudaGraphSteps`); the stop
+  tokens, sampling and bookkeeping stay on the device, and the host reads it once every
+  `CHECK_EVERY` tokens.
 - `_HFKV`, for any causal LM: the HF forward on a `DynamicCache` (the reference the fast path is
   tested against).
 
@@ -34,6 +37,7 @@ row's result.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Hashable, Sequence
 
@@ -43,8 +47,6 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from omgrpo.generation.budget import LEAN_MODEL_TYPES  # the decoder families `_LeanKV` runs
-
-GROW_FROM = 256  # new tokens the lean decoder's cache holds at first; it doubles when full
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,10 +99,14 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 
 
 def sample_next_token(
-    logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None = None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    uniforms: torch.Tensor | None = None,
+    invalid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits (B, V) -> token ids (B,), row b drawn with `uniforms[b]` in [0, 1) (default: the
-    global torch RNG). temperature 0 is greedy."""
+    global torch RNG). temperature 0 is greedy. `invalid`: `sample_categorical`'s flag."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -110,17 +116,26 @@ def sample_next_token(
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return sample_categorical(probs, uniforms)
+    return sample_categorical(probs, uniforms, invalid)
 
 
-def sample_categorical(probs: torch.Tensor, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+def sample_categorical(
+    probs: torch.Tensor, uniforms: torch.Tensor | None = None, invalid: torch.Tensor | None = None
+) -> torch.Tensor:
     """One draw per row of (B, V) non-negative weights -> (B,), by inverting each row's CDF
     with one uniform per row (`uniforms` (B,) in [0, 1), default: the global torch RNG).
     (`torch.multinomial` draws B x V exponentials, which on the CPU cost ~4 ms per toy decode
-    step at 512 x 390, a quarter of generation.) A token of weight 0 is never drawn."""
+    step at 512 x 390, a quarter of generation.) A token of weight 0 is never drawn.
+
+    Weights that are not a distribution raise a ValueError; with `invalid` (a bool tensor (1,))
+    they set it instead, on the device, so the decode loop need not read the device per token
+    (it reads the flag with its other checks)."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+    bad = ~(torch.isfinite(total) & (total > 0)).all()
+    if invalid is not None:
+        invalid |= bad
+    elif bool(bad):
         raise ValueError("sampling weights must be finite, non-negative and not all zero")
     if uniforms is None:
         uniforms = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device)
@@ -266,7 +281,10 @@ def _level_nodes(
 # ----------------------------------------------------------------------------------------
 StopRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(rows (A,), their new tokens (A,)) -> (A,) bool: which of these rows stop here (the token
-is kept)."""
+is kept). A rule run on the host (CAR's brace counter): `decode` calls it after every token."""
+
+CHECK_EVERY = 32  # decode steps between the loop's reads of the device (all ended? drop rows)
+WIDTH_BUCKET = 256  # CUDA graphs: own-token attention width rounded up to a multiple of this
 
 
 def decode(
@@ -280,15 +298,25 @@ def decode(
     max_new_tokens: int,
     temperature: float,
     top_p: float,
-    stop: StopRule,
+    stop: torch.Tensor | StopRule,
     pad_id: int,
     uniforms: torch.Tensor | None = None,
+    check_every: int | None = None,
+    graphs: bool | None = None,
+    width_bucket: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample up to `max_new_tokens` per row on top of a prefill (`prefix_tree_forward`'s last
     logits (U, V), cache, mask, next positions), `group` rows per prefilled row (rows
-    [u*group, (u+1)*group) continue prefilled row u). A row ends with the token its `stop` rule
-    flags; the loop ends once every row has ended. Row b's token t is drawn with
+    [u*group, (u+1)*group) continue prefilled row u). Row b's token t is drawn with
     `uniforms[b, t]` ((B, max_new_tokens), `row_uniforms`; needed when temperature > 0).
+
+    `stop` is a tensor of stop token ids, checked on the device: a row ends with the first of
+    them, and the loop reads the device only every `check_every` tokens (default `CHECK_EVERY`;
+    to end the batch once every row has ended, and to drop ended rows), so no decode step
+    waits for the host. Or a `StopRule` run on the host after every token. `graphs` (default:
+    on CUDA, with token ids and the lean decoder) replays each decode step as a CUDA graph
+    (`_CudaGraphSteps`); the lean decoder's attention width then grows in steps of
+    `width_bucket` tokens (default `WIDTH_BUCKET`; exact widths without graphs).
 
     Returns (tokens (B, T), lengths (B,)): row b's tokens are tokens[b, :lengths[b]], its stop
     token included; the rest is `pad_id`. Rows that never stop have length `max_new_tokens`.
@@ -297,35 +325,150 @@ def decode(
     batch = logits.shape[0] * group
     if temperature > 0 and uniforms is None:
         raise ValueError("decode: sampling at temperature > 0 needs the rows' uniforms")
-    if uniforms is not None:
-        uniforms = uniforms.to(device)
+    host_rule = not isinstance(stop, torch.Tensor)
+    lean = lean_decoding_supported(model)
+    if graphs is None:
+        enabled = os.environ.get("OMGRPO_CUDA_GRAPHS", "1") != "0"
+        graphs = enabled and device.type == "cuda" and lean and not host_rule
     if group > 1:
         logits = logits.repeat_interleave(group, dim=0)
-    backend = _LeanKV if lean_decoding_supported(model) else _HFKV
-    kv = backend(model, cache, mask, next_pos, group, max_new_tokens)
-    out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
-    rows = torch.arange(batch, device=device)  # row at each batch position
-    alive = torch.ones(batch, dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        draws = uniforms[rows, step] if uniforms is not None else None
-        tok = sample_next_token(logits, temperature, top_p, draws)
-        tok = tok.masked_fill(~alive, pad_id)
-        out[rows, step] = tok
-        open_pos = alive.nonzero().squeeze(1)
-        ended = open_pos[stop(rows[open_pos], tok[open_pos])]
-        lengths[rows[ended]] = step + 1
-        alive[ended] = False
-        if not bool(alive.any()) or step == max_new_tokens - 1:
-            break
-        # Drop ended rows once an eighth of the batch can go (rows that share one prefix copy
-        # go together, once all of them have ended: a prompt's rows end at similar lengths)
-        keep = kv.rows_to_keep(alive)
-        if len(keep) <= 0.875 * len(rows):
-            kv.keep(keep)
-            rows, tok, alive = rows[keep], tok[keep], alive[keep]
-        logits = kv.step(tok)
-    return out[:, : int(lengths.max())], lengths
+    bucket = width_bucket or (WIDTH_BUCKET if graphs else None)
+    kv = (_LeanKV if lean else _HFKV)(model, cache, mask, next_pos, group, max_new_tokens, bucket)
+    stop_ids = None if host_rule else stop.to(device)
+    rows = _Rows(batch, max_new_tokens, pad_id, device, uniforms, temperature, top_p, stop_ids)
+    runner = _CudaGraphSteps(kv, rows) if graphs else None
+    every = 1 if host_rule else max(1, check_every or CHECK_EVERY)
+    rows.sample(logits)  # token 0, from the prefill
+    for step in range(1, max_new_tokens):
+        if host_rule:
+            rows.end_on_host(stop)
+        if (step - 1) % every == 0:
+            alive = rows.read_alive()  # the loop's one read of the device
+            if not any(alive):
+                break
+            keep = kv.positions_to_keep(alive)
+            # drop ended rows once an eighth of the batch can go (rows that share one prefix
+            # copy go together, once all of them have ended: a prompt's rows end alike)
+            if len(keep) <= 0.875 * len(alive):
+                index = torch.tensor(keep, device=device)
+                kv.keep(index)
+                rows.keep(index)
+                if runner is not None:
+                    runner.reset()
+        if runner is not None:
+            runner.step()
+        else:
+            rows.sample(kv.step(rows.tok))
+    else:
+        if host_rule:
+            rows.end_on_host(stop)
+    return rows.result()
+
+
+class _Rows:
+    """The decoded rows on the device: their tokens, lengths and which are still open, with
+    sampling and the stop tokens written without host reads (a step can be graph-captured).
+    Rows are kept in their original order in `out` / `lengths`; `index` maps the batch's
+    positions to them (rows are dropped from the batch, never from the result)."""
+
+    def __init__(self, batch, width, pad_id, device, uniforms, temperature, top_p, stop_ids):
+        self.out = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+        self.lengths = torch.full((batch,), width, dtype=torch.long, device=device)
+        self.index = torch.arange(batch, device=device)
+        self.alive = torch.ones(batch, dtype=torch.bool, device=device)
+        self.tok = torch.full((batch,), pad_id, dtype=torch.long, device=device)
+        self.step_t = torch.zeros(1, dtype=torch.long, device=device)  # the token drawn next
+        self.invalid = torch.zeros(1, dtype=torch.bool, device=device)  # a row's weights were bad
+        self.uniforms = None if uniforms is None else uniforms.to(device)
+        self.pad_id, self.temperature, self.top_p, self.stop_ids = (
+            pad_id,
+            temperature,
+            top_p,
+            stop_ids,
+        )
+
+    def sample(self, logits: torch.Tensor) -> None:
+        """Draw every row's next token from `logits` (B, V) and record it (pad for ended rows)."""
+        s = self.step_t
+        draws = None if self.uniforms is None else self.uniforms[self.index, s]
+        tok = sample_next_token(logits, self.temperature, self.top_p, draws, self.invalid)
+        tok = tok.masked_fill(~self.alive, self.pad_id)
+        self.out[self.index, s] = tok
+        if self.stop_ids is not None:
+            # a comparison per stop id: `torch.isin` sorts (and syncs) for larger id sets
+            ended = self.alive & (tok[:, None] == self.stop_ids).any(-1)
+            self.lengths[self.index] = torch.where(ended, s + 1, self.lengths[self.index])
+            self.alive &= ~ended
+        self.tok.copy_(tok)
+        self.step_t += 1
+
+    def end_on_host(self, stop: StopRule) -> None:
+        """End the open rows that the host rule `stop` ends with their last token."""
+        open_pos = self.alive.nonzero().squeeze(1)
+        ended = open_pos[stop(self.index[open_pos], self.tok[open_pos])]
+        self.lengths[self.index[ended]] = self.step_t
+        self.alive[ended] = False
+
+    def read_alive(self) -> list[bool]:
+        """Which batch positions are open, read from the device in one copy; raises if any
+        row's sampling weights were not a distribution since the last read."""
+        flags = torch.cat([self.invalid, self.alive]).tolist()
+        if flags[0]:
+            raise ValueError("sampling weights must be finite, non-negative and not all zero")
+        return flags[1:]
+
+    def keep(self, index: torch.Tensor) -> None:
+        self.index, self.alive, self.tok = self.index[index], self.alive[index], self.tok[index]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if bool(self.invalid):
+            raise ValueError("sampling weights must be finite, non-negative and not all zero")
+        return self.out[:, : int(self.lengths.max())], self.lengths
+
+
+class _CudaGraphSteps:
+    """Decode steps replayed as CUDA graphs: a step's hundreds of kernels cost one launch.
+
+    A graph is captured per (rows, attention width): the width grows in buckets of
+    `WIDTH_BUCKET` tokens, so a 3072-token response needs 12 graphs, captured one after
+    another in one memory pool (an older one is never replayed again and is dropped). The
+    first two steps of each key run eagerly on a side stream (lazy initialisations, cuBLAS
+    workspaces) before the capture; every step, eager or replayed, is a real step. Dropping
+    rows changes the batch: the graphs are then dropped too."""
+
+    WARM_UP = 2
+
+    def __init__(self, kv: _LeanKV, rows: _Rows):
+        self.kv, self.rows = kv, rows
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.warm: dict[tuple[int, int], int] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def reset(self) -> None:
+        self.graphs.clear()
+        self.warm.clear()
+
+    def _body(self) -> None:
+        self.rows.sample(self.kv.forward(self.rows.tok))
+
+    def step(self) -> None:
+        key = (len(self.rows.index), self.kv.width())
+        graph = self.graphs.get(key)
+        if graph is None and self.warm.get(key, 0) < self.WARM_UP:
+            self.warm[key] = self.warm.get(key, 0) + 1
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._body()
+                self.graphs = {key: graph}
+            graph.replay()
+        self.kv.t += 1
 
 
 def lean_decoding_supported(model: torch.nn.Module) -> bool:
@@ -344,7 +487,7 @@ def lean_decoding_supported(model: torch.nn.Module) -> bool:
 class _HFKV:
     """Any causal LM: the HF forward on a `DynamicCache` with one cache row per decoded row."""
 
-    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
+    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int, bucket=None):
         if group > 1:
             index = torch.arange(mask.shape[0], device=mask.device).repeat_interleave(group)
             select_rows(cache, index, mask.shape[0])
@@ -365,8 +508,8 @@ class _HFKV:
         self.pos = self.pos + 1
         return logits
 
-    def rows_to_keep(self, alive: torch.Tensor) -> torch.Tensor:
-        return alive.nonzero().squeeze(1)
+    def positions_to_keep(self, alive: list[bool]) -> list[int]:
+        return [i for i, a in enumerate(alive) if a]
 
     def keep(self, index: torch.Tensor) -> None:
         select_rows(self.cache, index, self.mask.shape[0])
@@ -378,60 +521,80 @@ class _LeanKV:
     prefix (one copy per prefilled row, read by its `group` rows through a batched matmul),
     new tokens go to a cache per row, and attention is one softmax over both.
 
-    The new tokens' cache starts at `GROW_FROM` tokens and doubles when full (up to
-    `max_new_tokens`): most rows end long before the longest, so the cache is sized by the
-    responses, not preallocated at full length. Growing and dropping rows replace one layer's
-    K or V at a time, so at most one layer's old copy is alive beside the cache."""
+    The new tokens' cache is allocated once at `max_new_tokens` (the chunk's planned length,
+    `omgrpo.generation.budget`), zeroed, and written in place: its shapes never change, so a
+    step can be captured as a CUDA graph. Without `bucket` a step attends over exactly the
+    tokens so far; with it, over a width rounded up to a multiple of `bucket` (static within
+    a bucket), the slots not yet written hidden by an additive bias computed on the device.
+    Dropping rows copies one layer's K or V at a time, so at most one layer's old copy is
+    alive beside the cache."""
 
-    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int):
+    def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int, bucket=None):
         self.model = model
-        self.prefix_k, self.prefix_v = cache_tensors(cache)
+        keys, values = cache_tensors(cache)
         for layer in cache.layers:  # decode consumes the prefill: the tensors are ours now
             layer.keys = layer.values = None
+        self.prefix_k = [x.contiguous() for x in keys]
+        self.prefix_v = [x.contiguous() for x in values]
+        del keys, values
         nodes, kv_heads, _, head_dim = self.prefix_k[0].shape
         dtype, device = self.prefix_k[0].dtype, self.prefix_k[0].device
-        self.bias = padding_bias(mask, dtype)
-        self.group, self.t, self.max_new_tokens = group, 0, max_new_tokens
+        self.kv_heads = kv_heads
+        self.bias = prefix_bias(mask, dtype, kv_heads)
+        self.group, self.bucket, self.t = group, bucket, 0  # t: new tokens in the cache
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # t on the device
+        self.slots = torch.arange(max_new_tokens, device=device)
         self.pos = next_pos.repeat_interleave(group, dim=0)
-        shape = (nodes * group, kv_heads, min(GROW_FROM, max_new_tokens), head_dim)
+        shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
         n_layers = len(model.model.layers)
-        self.new_k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.new_v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.new_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.new_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self._width, self._own_bias = 0, None
+
+    def width(self) -> int:
+        """The own-token width the next step attends over."""
+        if self.bucket is None:
+            return self.t + 1
+        return min(self.new_k[0].shape[2], -(-(self.t + 1) // self.bucket) * self.bucket)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = lean_forward(self.model, tokens[:, None], self.pos, self._attend)
+        logits = self.forward(tokens)
         self.t += 1
-        self.pos = self.pos + 1
+        return logits
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) after feeding `tokens` (B,): device work only (no host reads, no
+        allocation that outlives the call), so it can be graph-captured; the caller counts
+        the token (`t`)."""
+        self._width = self.width()
+        if self.bucket is not None:
+            hidden = self.slots[: self._width] > self.slot
+            zeros = torch.zeros(self._width, dtype=self.bias.dtype, device=self.bias.device)
+            self._own_bias = zeros.masked_fill(hidden, torch.finfo(self.bias.dtype).min)
+        hidden = lean_forward(self.model, tokens[:, None], self.pos, self._attend)
+        self.slot += 1
+        self.pos += 1
         return self.model.lm_head(hidden)[:, -1, :]
 
     def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
         """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
-        if self.t == self.new_k[i].shape[2]:
-            self._grow(i)
-        self.new_k[i][:, :, self.t] = k[:, :, 0]
-        self.new_v[i][:, :, self.t] = v[:, :, 0]
-        t = self.t + 1
-        own = (self.new_k[i][:, :, :t], self.new_v[i][:, :, :t], None)
+        self.new_k[i].index_copy_(2, self.slot, k)
+        self.new_v[i].index_copy_(2, self.slot, v)
+        width = self._width
+        own = (self.new_k[i][:, :, :width], self.new_v[i][:, :, :width], self._own_bias)
         prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
         return prefix_attention(q, prefix, own, self.group, scaling)
 
-    def _grow(self, i: int) -> None:
-        """Double layer i's cache of new tokens (at most `max_new_tokens`), keeping its tokens."""
-        for cache in (self.new_k, self.new_v):
-            old = cache[i]
-            width = min(2 * old.shape[2], self.max_new_tokens)
-            cache[i] = old.new_empty((*old.shape[:2], width, old.shape[3]))
-            cache[i][:, :, : self.t] = old[:, :, : self.t]
-            del old
-
-    def rows_to_keep(self, alive: torch.Tensor) -> torch.Tensor:
+    def positions_to_keep(self, alive: list[bool]) -> list[int]:
         """Batch positions of the prefix nodes with a row still alive (all of their rows)."""
-        nodes_alive = alive.view(-1, self.group).any(1)
-        return nodes_alive.repeat_interleave(self.group).nonzero().squeeze(1)
+        g = self.group
+        nodes = [n for n in range(len(alive) // g) if any(alive[n * g : (n + 1) * g])]
+        return [n * g + j for n in nodes for j in range(g)]
 
     def keep(self, index: torch.Tensor) -> None:
-        """Keep the rows at `index`: whole prefix nodes (`rows_to_keep`)."""
+        """Keep the rows at `index`: whole prefix nodes (`positions_to_keep`)."""
         nodes = index[:: self.group] // self.group
         # one layer at a time: the old copy of a layer is freed before the next is copied
         for cache, rows in ((self.prefix_k, nodes), (self.prefix_v, nodes)):
@@ -440,7 +603,10 @@ class _LeanKV:
         for cache in (self.new_k, self.new_v):
             for i in range(len(cache)):
                 cache[i] = cache[i].index_select(0, index)
-        self.bias = self.bias[nodes]
+        bias_rows = (
+            nodes[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=nodes.device)
+        ).flatten()
+        self.bias = self.bias[bias_rows]
         self.pos = self.pos[index]
 
 
@@ -455,55 +621,115 @@ def lean_forward(
     model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend: Attend
 ) -> torch.Tensor:
     """ids (B, T), positions (B, T) -> final-norm hidden states (B, T, hidden): the model's own
-    modules in HF's order, with attention delegated to `attend` (which owns the KV cache)."""
+    modules in HF's order, with attention delegated to `attend` (which owns the KV cache).
+
+    With one token per row (decoding) the rotary embedding is applied as one (D, D) matrix per
+    row (`rotation_matrices`, made once for all layers), with the attention scaling folded into
+    the queries' matrix: 2 kernels per layer where HF's elementwise form launches 10 and a
+    scaling product; `attend` is then told the scaling is 1."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(x, positions)
     batch, width = ids.shape
+    rotate_k = rotate_q = None
+    if width == 1:
+        rotate_k = rotation_matrices(cos[:, 0], sin[:, 0])
+        rotate_q = rotate_k * inner.layers[0].self_attn.scaling
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
+        h = rms_norm(layer.input_layernorm, x)
         shape = (batch, width, -1, attn.head_dim)
         q = attn.q_proj(h).view(shape)
         k = attn.k_proj(h).view(shape)
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+        if rotate_q is None:
+            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            scaling = attn.scaling
+        else:  # (B, 1, heads, D) -> (B, heads, 1, D), rotated and (q) scaled
+            q = torch.bmm(q.view(batch, -1, attn.head_dim), rotate_q).unsqueeze(2)
+            k = torch.bmm(k.view(batch, -1, attn.head_dim), rotate_k).unsqueeze(2)
+            scaling = 1.0
         v = attn.v_proj(h).view(shape).transpose(1, 2)
-        x = x + attn.o_proj(attend(i, q, k, v, attn.scaling))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return inner.norm(x)
+        x = x + attn.o_proj(attend(i, q, k, v, scaling))
+        x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+    return rms_norm(inner.norm, x)
 
 
-def prefix_attention(q, prefix, own, group: int, scaling: float) -> torch.Tensor:
+def rotation_matrices(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """cos, sin (B, D) -> R (B, D, D) with x @ R[b] = HF's `x * cos + rotate_half(x) * sin`
+    for a row vector x of row b (`rotate_half(x)` = cat(-x[D/2:], x[:D/2]))."""
+    key = (cos.shape[-1], cos.dtype, cos.device)
+    if key not in _ROTATE_HALF:  # made once, outside any CUDA graph capture
+        dim = cos.shape[-1]
+        half = torch.arange(dim // 2, device=cos.device)
+        signs = torch.zeros((dim, dim), dtype=cos.dtype, device=cos.device)
+        signs[half + dim // 2, half] = -1.0  # out[j] gets -x[j + D/2] sin[j] for j < D/2
+        signs[half, half + dim // 2] = 1.0  # and x[j - D/2] sin[j] for j >= D/2
+        _ROTATE_HALF[key] = signs
+    return torch.diag_embed(cos) + _ROTATE_HALF[key] * sin[:, None, :]
+
+
+_ROTATE_HALF: dict[tuple, torch.Tensor] = {}  # rotate_half as a signed permutation matrix
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm module's function as one `F.rms_norm` call: one fused kernel on CUDA
+    where HF's module launches eight (upcast, square, mean, add, rsqrt, two products, cast).
+    The product's rounding differs from HF's in low-precision dtypes (one rounding, not two);
+    modules of another kind run as they are."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None or getattr(norm, "weight", None) is None:
+        return norm(x)
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+
+
+def prefix_attention(q, prefix, own, group: int, scaling: float = 1.0) -> torch.Tensor:
     """Attention of rows over a prefix they share plus their own keys, with one softmax.
 
-    q (B, H, T, D); `prefix` = (k, v (N, kv heads, W, D), additive bias (N, W)) with B = N *
-    `group`: rows [n*group, (n+1)*group) read prefix n, through one batched matmul per node
-    (the prefix is never copied per row); `own` = (k, v (B, kv heads, S, D), additive bias
+    q (B, H, T, D); `prefix` = (k, v (N, kv heads, W, D) contiguous, additive bias
+    (N * kv heads, 1, W): `prefix_bias`) with B = N * `group`: rows [n*group, (n+1)*group)
+    read prefix n, through one batched matmul per node and KV head (the prefix is never copied
+    per row); `own` = (k, v (B, kv heads, S, D), views allowed, additive bias broadcastable to
     (T, S) or None). Query head h reads KV head h // (H / kv heads), HF's `repeat_kv` order.
-    Returns (B, T, H * D).
+    Returns (B, T, H * D). Bias additions ride on the matmuls (`baddbmm`): 9 kernels per call.
     """
     (pk, pv, pbias), (ok, ov, obias) = prefix, own
     batch, heads, t, dim = q.shape
     nodes, kv_heads, width, _ = pk.shape
-    n, g = group, heads // kv_heads
-    rows_q = (q * scaling).reshape(batch, kv_heads, g * t, dim)  # scaled here: q is small
-    node_q = rows_q.view(nodes, n, kv_heads, g * t, dim).transpose(1, 2)
-    scores_p = torch.matmul(node_q.reshape(nodes, kv_heads, n * g * t, dim), pk.transpose(2, 3))
-    scores_p = scores_p + pbias[:, None, None, :]
-    scores_p = scores_p.view(nodes, kv_heads, n, g * t, width).transpose(1, 2)
-    scores_own = torch.matmul(rows_q, ok.transpose(2, 3))  # (B, kv heads, g*T, S)
-    if obias is not None:
-        scores_own = (scores_own.view(batch, kv_heads, g, t, -1) + obias).view_as(scores_own)
-    scores = torch.cat([scores_p.reshape(batch, kv_heads, g * t, width), scores_own], dim=-1)
+    n, g, own_width = group, heads // kv_heads, ok.shape[2]
+    if scaling != 1.0:
+        q = q * scaling
+    rows_q = q.reshape(batch * kv_heads, g * t, dim)
+    node_q = q.reshape(nodes, n, kv_heads, g * t, dim).transpose(1, 2)
+    node_q = node_q.reshape(nodes * kv_heads, n * g * t, dim)
+    pk3, pv3 = (x.view(nodes * kv_heads, width, dim) for x in (pk, pv))
+    ok3, ov3 = (x.reshape(batch * kv_heads, own_width, dim) for x in (ok, ov))
+    scores_p = torch.baddbmm(pbias, node_q, pk3.transpose(1, 2))  # (N kvh, n g T, W)
+    if obias is None:
+        scores_own = torch.bmm(rows_q, ok3.transpose(1, 2))
+    else:
+        scores_own = torch.baddbmm(obias.expand(t, own_width), rows_q, ok3.transpose(1, 2))
+    node_shape = (nodes, n, kv_heads, g * t)
+    scores = torch.cat(
+        [
+            scores_p.view(nodes, kv_heads, n, g * t, width).transpose(1, 2),
+            scores_own.view(*node_shape, own_width),
+        ],
+        dim=-1,
+    )  # (N, n, kvh, g T, W + S) = (B, kvh, g T, W + S)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    probs_p, probs_own = probs.split([width, ok.shape[2]], dim=-1)
-    probs_p = probs_p.reshape(nodes, n, kv_heads, g * t, width).transpose(1, 2)
-    out_p = torch.matmul(probs_p.reshape(nodes, kv_heads, n * g * t, width), pv)
-    out_p = out_p.view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
-    out = out_p.reshape(batch, kv_heads, g * t, dim) + torch.matmul(probs_own, ov)
-    return out.reshape(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+    probs_p = probs[..., :width].transpose(1, 2).reshape(nodes * kv_heads, n * g * t, width)
+    out_p = torch.bmm(probs_p, pv3).view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
+    probs_own = probs[..., width:].reshape(batch * kv_heads, g * t, own_width)
+    out = torch.baddbmm(out_p.reshape(batch * kv_heads, g * t, dim), probs_own, ov3)
+    return out.view(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+
+
+def prefix_bias(mask: torch.Tensor, dtype: torch.dtype, kv_heads: int) -> torch.Tensor:
+    """`padding_bias` (N, W) laid out for `prefix_attention`: (N * kv_heads, 1, W)."""
+    bias = padding_bias(mask, dtype)
+    return bias[:, None, None, :].expand(-1, kv_heads, 1, -1).reshape(-1, 1, bias.shape[-1])
 
 
 def cache_tensors(cache: DynamicCache) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -155,7 +155,7 @@ def _sample_chunk(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_p=top_p,
-        stop=lambda rows, tokens: torch.isin(tokens, stops),
+        stop=stops,
         pad_id=pad_id,
         uniforms=uniforms,
     )

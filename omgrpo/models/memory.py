@@ -14,9 +14,9 @@ planned at its longest: a batch is padded to its longest row).
   next update's `zero_grad`), AdamW's two moments 2·P·b (torch keeps them in the parameters'
   dtype).
 - **K/V cache**, closed form: L · 2 · Hkv · D · b bytes per token. Generation (`_LeanKV`)
-  holds the prompts' cache once per prompt and grows each row's cache up to T new tokens:
-  tokens = prompts · p + rows · T at most. Growing the cache or dropping finished rows copies
-  one layer's K or V while the old one is alive: 1 / (2L) more.
+  holds the prompts' cache once per prompt and allocates each row's cache at T new tokens:
+  tokens = prompts · p + rows · T. Dropping finished rows copies one layer's K or V while the
+  old one is alive: 1 / (2L) more.
 - **generation** (training rollouts, validation, CAR), per chunk (`omgrpo.generation.budget`,
   the formulas the samplers size their chunks with): K/V (with the copy) + the prefill's
   working set of one layer over all prompt tokens, tokens · (b·(2h + 2·H·D + 2·Hkv·D + 3I) +

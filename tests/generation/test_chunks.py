@@ -151,21 +151,30 @@ def test_a_seed_fixes_the_rows_and_none_draws_from_the_global_rng():
     assert _equal(c, _sample(model, tok, prompts, 2, seed=None, batch_size=1))
 
 
-def test_a_growing_cache_gives_the_preallocated_caches_rows(monkeypatch):
+@pytest.mark.parametrize("every", [1, 3])
+def test_reading_the_device_every_k_tokens_gives_the_same_rows(monkeypatch, every):
+    """The loop reads which rows are open every `CHECK_EVERY` tokens and then drops ended
+    prompts; more or fewer reads give the same rows (the default never reads within NEW
+    tokens, every 1 or 3 drops prompts as they end)."""
     model, tok = _model()
     prompts = _prompts(tok)
-    # a seed where some row runs to the budget, so the cache grows to its full length
-    seed = _seed_where(
-        lambda s: _sample(model, tok, prompts, 3, seed=s).response_mask.sum(-1).max() == NEW
-    )
+
+    def a_prompt_ends_early(seqs: Sequences) -> bool:
+        longest_per_prompt = seqs.response_mask.sum(-1).view(len(prompts), 3).max(-1).values
+        return _ragged(seqs) and bool((longest_per_prompt < NEW - 1).any())
+
+    seed = _seed_where(lambda s: a_prompt_ends_early(_sample(model, tok, prompts, 3, seed=s)))
     whole = _sample(model, tok, prompts, 3, seed=seed)
-    assert whole.response_mask.sum(-1).max() == NEW
-    monkeypatch.setattr(engine, "GROW_FROM", 1)  # grows at tokens 1, 2, 4 and 8
-    grown = []
-    real_grow = engine._LeanKV._grow
-    monkeypatch.setattr(engine._LeanKV, "_grow", lambda kv, i: grown.append(i) or real_grow(kv, i))
+    assert engine.CHECK_EVERY >= NEW and a_prompt_ends_early(whole)
+    monkeypatch.setattr(engine, "CHECK_EVERY", every)
+    dropped = []
+    real_keep = engine._LeanKV.keep
+    monkeypatch.setattr(
+        engine._LeanKV, "keep", lambda kv, i: dropped.append(len(i)) or real_keep(kv, i)
+    )
     assert _equal(whole, _sample(model, tok, prompts, 3, seed=seed))
-    assert grown.count(0) == 4  # layer 0 grew from 1 to 2, 4, 8 and 10 tokens
+    if every == 1:
+        assert dropped  # a prompt's rows all ended before the budget and were dropped
 
 
 def _record_chunks(monkeypatch) -> list[tuple[int, int]]:

@@ -45,6 +45,32 @@ def test_lean_decoder_gives_the_hf_forwards_logits_at_every_step(heads, kv_heads
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bucket", [1, 4, 16])
+def test_bucketed_attention_widths_give_the_exact_widths_logits(bucket):
+    """Under CUDA graphs each step attends over a width rounded up to a bucket, the unwritten
+    slots of the preallocated cache hidden by a bias made on the device: the same logits as
+    attending over exactly the tokens so far (bucket 16 > the 6 tokens: one static width)."""
+    model, tok = _model()
+    prompts = _prompts(tok)
+    feed = torch.randint(4, len(tok), (len(prompts) * 2, 6), generator=torch.Generator())
+    with torch.no_grad():
+        logits = []
+        for width_bucket in (None, bucket):
+            _, cache, mask, pos = prefix_tree_forward(model, prompts, [[0] * 3], tok.pad_token_id)
+            kv = _LeanKV(model, cache, mask, pos, 2, 8, width_bucket)
+            logits.append(torch.stack([kv.step(feed[:, s]) for s in range(feed.shape[1])], 1))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-6, rtol=1e-6)
+
+
+def test_sample_categorical_flags_bad_weights_on_the_device_when_asked():
+    invalid = torch.zeros(1, dtype=torch.bool)
+    probs = torch.tensor([[0.5, 0.5], [0.2, 0.8]])
+    engine.sample_categorical(probs, torch.tensor([0.1, 0.9]), invalid)
+    assert not invalid.item()
+    engine.sample_categorical(torch.tensor([[0.5, float("nan")]]), torch.tensor([0.3]), invalid)
+    assert invalid.item()
+
+
 def _greedy(model, tok, prompts, group, max_new_tokens, stop):
     """Greedy decoding of `group` rows per prompt on top of a one-level prefill."""
     with torch.no_grad():
@@ -185,3 +211,13 @@ def test_decoding_drops_ended_prompts_and_keeps_the_rest_exact(monkeypatch):
     (lean_tokens, lean_len), (hf_tokens, hf_len) = outputs
     assert lean_len.tolist() == [k // group + 1 for k in range(len(prompts) * group)]
     assert torch.equal(lean_tokens, hf_tokens) and torch.equal(lean_len, hf_len)
+
+
+def test_rotation_matrices_rotate_as_hfs_rotary_embedding():
+    """Decoding rotates q and k by one matrix per row: x @ R = x * cos + rotate_half(x) * sin."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cos, sin, x = torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 5, 8)
+    expected = x * cos[:, None] + rotate_half(x) * sin[:, None]
+    got = torch.bmm(x, engine.rotation_matrices(cos, sin))
+    torch.testing.assert_close(got, expected)
