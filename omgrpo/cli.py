@@ -55,6 +55,9 @@ commands:
   bench memory [--json] [--configs a,b] [--gen-tokens N]
                          the memory plan against the peak RSS of one step on the CPU (the
                          backbones' layers and head layout, widths / 16, the paper's lengths)
+  bench generate [--json] [--configs a,b] [--device cpu|cuda] [--compare REF] [--toy]
+                         decoder tokens/s and ms per decode step against the memory-bandwidth
+                         limit, kernel-launching ops and host reads per step; REF: another tree
   eval RUNS_OR_MODELS... [--suite paper|toy|SUITE.yaml] [--checkpoint last|best|step_N|base]
                          [--backend native|vllm] [--tensor-parallel-size N]
                          [--gpu-memory-utilization F]

@@ -27,6 +27,11 @@ unit tests. Each benchmark runs the real trainer on the toy preset.
   lengths, the peak RSS of each stage against the plan (`omgrpo.tools.memory_bench`). On a GPU
   (`--device cuda --shrink 1`): the real models in bf16, CUDA's peak allocated memory per stage,
   and rollout tokens/s.
+
+`generate`: the rollout decoder against the memory-bandwidth limit: tokens/s, ms per decode
+  step, kernel-launching operations and host reads per step, whether the step compiles as one
+  graph; `--compare REF` measures another tree (directory or commit) in the same run, `--toy`
+  the toy world's generation at 16 x 8 and 64 x 8 (`omgrpo.tools.generate_bench`).
 """
 
 from __future__ import annotations
@@ -234,7 +239,9 @@ def _measure_trl(overrides: list[str], steps: int) -> dict:
 
 def _run_script(script: str, argv: list[str], tree: Path) -> dict:
     """Run a measuring script in a fresh Python importing omgrpo from `tree`; its result line."""
-    env = {**os.environ, "PYTHONPATH": str(tree.resolve())}
+    # the tree first; what the caller's path held (e.g. carried wheels) after it
+    path = [str(tree.resolve()), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run(
         [sys.executable, "-c", script, *argv],
         cwd=tree,
@@ -339,7 +346,18 @@ def bench_memory(steps: int = 1, overrides=None, partial=None, **kwargs) -> dict
     return run(steps=steps, overrides=overrides, partial=partial, **kwargs)
 
 
-BENCHMARKS = {"car": bench_car, "step": bench_step, "memory": bench_memory}
+def bench_generate(**kwargs) -> dict:
+    from omgrpo.tools.generate_bench import bench_generate as run
+
+    return run(**kwargs)
+
+
+BENCHMARKS = {
+    "car": bench_car,
+    "step": bench_step,
+    "memory": bench_memory,
+    "generate": bench_generate,
+}
 
 
 def _trl_installed() -> bool:
@@ -409,6 +427,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--micro", type=int, default=1, help="memory: rows per update micro-batch (default 1)"
     )
+    parser.add_argument(
+        "--compare",
+        metavar="REF",
+        help="generate: also measure this omgrpo tree (a directory or a git commit)",
+    )
+    parser.add_argument(
+        "--toy", action="store_true", help="generate: the toy world's shapes 16x8 and 64x8"
+    )
+    parser.add_argument("--prompt-len", type=int, help="generate: prompt tokens (default 64)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="generate: timed runs per measurement (median)"
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every variant")
     return parser
 
@@ -430,6 +460,19 @@ def _kwargs(ns) -> dict:
             "prompts": ns.prompts,
             "n": ns.rollouts,
             "micro": ns.micro,
+        }
+    if ns.name == "generate":
+        sizes = {"prompts": ns.prompts, "n": ns.rollouts, "gen_tokens": ns.gen_tokens or 64}
+        if ns.prompt_len is not None:
+            sizes["prompt_len"] = ns.prompt_len
+        return {
+            **sizes,
+            "configs": ns.configs,
+            "device": ns.device,
+            "shrink": ns.shrink,
+            "compare": ns.compare,
+            "toy": ns.toy,
+            "repeats": ns.rounds,
         }
     return {"variants": ns.variants}
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The one-GPU check of issue 38, sized for a 15-minute lease (one call, at most ~9.5 minutes,
+# its outputs in 7 files): the decoder's CUDA graphs against eager decoding, `bench generate`
+# new vs a baseline tree on the paper chunk (Qwen3-1.7B, 160 rows, 512 + 3072 tokens) and at 8
+# rows (Llama-3.2-3B), one LoRA update of Qwen2.5-7B's shape against its plan, and `bench
+# memory` for Qwen2.5-7B. Each part has its own time limit, so one that fails or hangs does not
+# stop the others; the most wanted run first.
+#   scripts/gpu_check.sh OUT_DIR [BASELINE_TREE]      (PYTHON=... picks the interpreter)
+# BASELINE_TREE: a directory holding an older omgrpo/ (e.g. .baseline/14a048d, carried).
+set -uo pipefail
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR [BASELINE_TREE]}
+baseline=${2:-}
+py=${PYTHON:-python}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+log="$out/gpu_check.log"
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $py -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__)"
+    git rev-parse HEAD 2>/dev/null || echo "commit: not a git checkout"
+} > "$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
+
+part() {  # NAME SECONDS command...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most $limit s)" | tee -a "$log"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >> "$log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc after $(( SECONDS - t0 )) s" | tee -a "$log"
+    return $rc
+}
+compare=()
+[ -n "$baseline" ] && compare=(--compare "$baseline")
+
+# 1. graphs replay = eager decoding, bit for bit; if not, time the eager decoder instead
+if ! part decode-check 75 $py scripts/gpu_decode_check.py --device cuda; then
+    echo "decode check failed: the timings below run without CUDA graphs" | tee -a "$log"
+    export OMGRPO_CUDA_GRAPHS=0
+fi
+grep '^{"' "$log" | tail -n 1 > "$out/decode_check.json"
+# 2. the paper chunk: 20 prompts x 8 rows, 512 prompt tokens, all 3072 new tokens per row
+part generate-paper-chunk 250 $py -m omgrpo bench generate --json --device cuda \
+    --configs qwen3-1.7b-base --prompts 20 --rollouts 8 --prompt-len 512 --gen-tokens 3072 \
+    --rounds 1 --out "$out/generate_qwen3_paper_chunk.json" "${compare[@]}"
+# 3. 8 rows of Llama-3.2-3B: the fixed per-step cost
+part generate-8-rows 80 $py -m omgrpo bench generate --json --device cuda \
+    --configs llama-3.2-3b-instruct --prompts 1 --rollouts 8 --prompt-len 512 --gen-tokens 1024 \
+    --rounds 2 --out "$out/generate_llama_8_rows.json" "${compare[@]}"
+# 4. one LoRA update of Qwen2.5-7B's shape against its plan
+if [ -f scripts/lora_step_check.py ]; then
+    part lora-step 60 $py scripts/lora_step_check.py --device cuda
+    grep '^{"' "$log" | tail -n 1 > "$out/lora_step.json"
+fi
+# 5. the memory plan for Qwen2.5-7B (the update after the logits fix; two micro-batches)
+part memory-qwen2.5-7b 100 $py -m omgrpo bench memory --device cuda --shrink 1 --json \
+    --configs qwen2.5-7b --prompts 2 --rollouts 4 --micro 1 --gen-tokens 1024 \
+    --out "$out/memory_qwen2.5_7b.json"
+ls -la "$out"
