@@ -346,3 +346,13 @@ def test_lora_export_merges_the_adapters_into_a_plain_hf_directory(lora_run, tmp
     trained, frozen = hf.state_dict(), base_model.state_dict()
     moved = {k for k in trained if not torch.equal(trained[k], frozen[k])}
     assert moved and all(k.rsplit(".", 2)[-2].endswith("_proj") for k in moved)
+
+    # `omgrpo eval --backend native` loads the run's checkpoint merged the same way
+    from omgrpo.eval.checkpoints import choose_checkpoint
+    from omgrpo.eval.runner import load_policy, resolve_target
+
+    target = resolve_target(lora_run)
+    evaluated, _, _ = load_policy(target, choose_checkpoint(lora_run, "last", config), "cpu")
+    assert not any("lora" in n for n, _ in evaluated.named_parameters())
+    assert all(p.requires_grad for p in evaluated.parameters())  # as from_pretrained gives it
+    assert torch.equal(response_logprobs(evaluated, seqs)["logprobs"][resp], theirs[resp])
