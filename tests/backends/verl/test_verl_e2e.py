@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group("verl_e
 TIMEOUT_S = 900  # per verl process (a guard against hangs; ~2 min each on 2 idle cores)
 G = 8
 PROMPTS = 2  # data.train_batch_size
+W1_PROMPTS = 4  # the w = 1 step's: GT rewards are sparse (the toy base gets ~1 in 6 right)
 SPREAD = "harness_spread"  # verl_cpu/omgrpo_cpu_reward.py: i * 1e-3 for rollout i of a group
 OM_GRPO_PARTS = ("soft_vote", "format", SPREAD)
 W1_PARTS = ("majority_vote", "gt", "process", "format", SPREAD)
@@ -76,9 +77,9 @@ def om_grpo_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
 
 @pytest.fixture(scope="module")
 def w1_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
-    """One step at w = 1 (`method=prm`, no CAR) whose reward holds MV's, GT's and the PRM's
-    parts (+ format): a tiny random token-classification PRM in its Ray actor on the CPU.
-    (its folder, verl's logged steps)"""
+    """One step at w = 1 (`method=prm`, no CAR) of 4 prompts x G whose reward holds MV's, GT's
+    and the PRM's parts (+ format): a tiny random token-classification PRM in its Ray actor on
+    the CPU. (its folder, verl's logged steps)"""
     out = tmp_path_factory.mktemp("w1")
     prm = tiny_prm(setup[0], out / "prm")
     extra = [
@@ -86,6 +87,7 @@ def w1_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
         f"omgrpo.reward.prm.path={prm}",
         "omgrpo.reward.prm.format=token_classification",
         _parts(W1_PARTS),
+        f"data.train_batch_size={W1_PROMPTS}",
     ]
     return out, _run(out, setup, 1, extra)
 
@@ -218,7 +220,7 @@ def check_prm_rollouts(run_dir: Path) -> None:
     """The run store's rollouts of step 1 hold each rollout's step scores, and its process
     reward is their minimum (`reward.prm.aggregate=min`; the table rounds to 4 decimals)."""
     table = pd.read_parquet(run_dir / "rollouts" / "step_000001.parquet")
-    assert len(table) == PROMPTS * G
+    assert len(table) == W1_PROMPTS * G
     for scores, reward in zip(table["prm_step_scores"], table["reward_process"]):
         steps = [float(x) for x in scores.split()]
         assert steps and reward == pytest.approx(min(steps), abs=1e-4)
