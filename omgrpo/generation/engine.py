@@ -315,8 +315,8 @@ def decode(
     to end the batch once every row has ended, and to drop ended rows), so no decode step
     waits for the host. Or a `StopRule` run on the host after every token. `graphs` (default:
     on CUDA, with token ids and the lean decoder) replays each decode step as a CUDA graph
-    (`_CudaGraphSteps`); the lean decoder's attention width then grows in steps of
-    `width_bucket` tokens (default `WIDTH_BUCKET`; exact widths without graphs).
+    (`_CudaGraphSteps`). The lean decoder's attention width grows in steps of `width_bucket`
+    tokens (default: `WIDTH_BUCKET` on CUDA, graphs or not; exact widths on the CPU).
 
     Returns (tokens (B, T), lengths (B,)): row b's tokens are tokens[b, :lengths[b]], its stop
     token included; the rest is `pad_id`. Rows that never stop have length `max_new_tokens`.
@@ -332,7 +332,9 @@ def decode(
         graphs = enabled and device.type == "cuda" and lean and not host_rule
     if group > 1:
         logits = logits.repeat_interleave(group, dim=0)
-    bucket = width_bucket or (WIDTH_BUCKET if graphs else None)
+    # on CUDA bucketed widths with or without graphs, so OMGRPO_CUDA_GRAPHS=0 is a like-for-like
+    # eager run (the same kernels on the same shapes)
+    bucket = width_bucket or (WIDTH_BUCKET if device.type == "cuda" else None)
     kv = (_LeanKV if lean else _HFKV)(model, cache, mask, next_pos, group, max_new_tokens, bucket)
     stop_ids = None if host_rule else stop.to(device)
     rows = _Rows(batch, max_new_tokens, pad_id, device, uniforms, temperature, top_p, stop_ids)
@@ -431,7 +433,9 @@ class _CudaGraphSteps:
 
     A graph is captured per (rows, attention width): the width grows in buckets of
     `WIDTH_BUCKET` tokens, so a 3072-token response needs 12 graphs, captured one after
-    another in one memory pool (an older one is never replayed again and is dropped). The
+    another, each in its own memory pool (an older one is never replayed again and is dropped
+    with its pool; a pool shared across graphs tripped an allocator assert in torch 2.11 once
+    every graph on it had been dropped). The
     first two steps of each key run eagerly on a side stream (lazy initialisations, cuBLAS
     workspaces) before the capture; every step, eager or replayed, is a real step. Dropping
     rows changes the batch: the graphs are then dropped too."""
@@ -440,9 +444,8 @@ class _CudaGraphSteps:
 
     def __init__(self, kv: _LeanKV, rows: _Rows):
         self.kv, self.rows = kv, rows
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], Callable[[], None]] = {}
         self.warm: dict[tuple[int, int], int] = {}
-        self.pool = torch.cuda.graph_pool_handle()
 
     def reset(self) -> None:
         self.graphs.clear()
@@ -453,22 +456,33 @@ class _CudaGraphSteps:
 
     def step(self) -> None:
         key = (len(self.rows.index), self.kv.width())
-        graph = self.graphs.get(key)
-        if graph is None and self.warm.get(key, 0) < self.WARM_UP:
+        replay = self.graphs.get(key)
+        if replay is None and self.warm.get(key, 0) < self.WARM_UP:
             self.warm[key] = self.warm.get(key, 0) + 1
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()
-            torch.cuda.current_stream().wait_stream(side)
+            self._warm_up(self._body)
         else:
-            if graph is None:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._body()
-                self.graphs = {key: graph}
-            graph.replay()
+            if replay is None:
+                replay = self._capture(self._body)
+                self.graphs = {key: replay}
+            replay()
         self.kv.t += 1
+
+    @staticmethod
+    def _warm_up(body: Callable[[], None]) -> None:
+        """Run `body` eagerly on a side stream (as torch's CUDA graph recipe warms up)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+
+    @staticmethod
+    def _capture(body: Callable[[], None]) -> Callable[[], None]:
+        """Record `body`'s kernels (without running them) into a graph; its replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph.replay
 
 
 def lean_decoding_supported(model: torch.nn.Module) -> bool:

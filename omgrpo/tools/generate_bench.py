@@ -370,14 +370,16 @@ def bench_generate(
                 source = Path(name) if Path(name).is_dir() else CONFIGS / name
                 if not (source / "config.json").is_file():
                     raise FileNotFoundError(f"bench generate: no config.json in {source}")
-                figures = _bench_config(source, device, shrink, sizes, repeats, old_tree)
+                figures = _bench_config(source, device, shrink, sizes, repeats, old_tree, partial)
                 result["configs"][source.name] = figures
                 if partial is not None:
                     partial.write_text(json.dumps({"partial": True, **result}, indent=2))
     return result
 
 
-def _bench_config(source: Path, device: str, shrink: int, sizes: dict, repeats, old) -> dict:
+def _bench_config(
+    source: Path, device: str, shrink: int, sizes: dict, repeats, old, partial=None
+) -> dict:
     print(f"bench generate: {source.name} on {device}", file=sys.stderr, flush=True)
     on_cpu = device == "cpu"
     config = (
@@ -402,6 +404,8 @@ def _bench_config(source: Path, device: str, shrink: int, sizes: dict, repeats, 
         "profile_tokens": list(PROFILE_TOKENS),
     }
     out = {"new": _measure(spec, TREE)}
+    if partial is not None:  # this tree's figures survive a baseline that runs out of time
+        partial.write_text(json.dumps({"partial": True, source.name: out}, indent=2))
     if old is not None:
         print(f"bench generate: {source.name} with {old}", file=sys.stderr, flush=True)
         out["old"] = _measure(spec, old)

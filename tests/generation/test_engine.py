@@ -221,3 +221,39 @@ def test_rotation_matrices_rotate_as_hfs_rotary_embedding():
     expected = x * cos[:, None] + rotate_half(x) * sin[:, None]
     got = torch.bmm(x, engine.rotation_matrices(cos, sin))
     torch.testing.assert_close(got, expected)
+
+
+def test_the_graph_runner_decodes_what_eager_decoding_does(monkeypatch):
+    """`_CudaGraphSteps`' bookkeeping on the CPU: capture stands in as "record the step, replay
+    = run it", the warm-up as a plain run. Decoding through it gives eager decoding's rows
+    exactly (same widths: bucket 4), with steps captured per width and re-captured after
+    ended rows are dropped."""
+    captured, replays = [], []
+
+    def capture(body):
+        captured.append(1)
+        return lambda: replays.append(1) or body()
+
+    monkeypatch.setattr(engine._CudaGraphSteps, "_capture", staticmethod(capture))
+    monkeypatch.setattr(engine._CudaGraphSteps, "_warm_up", staticmethod(lambda body: body()))
+    monkeypatch.setattr(engine, "CHECK_EVERY", 3)
+    model, tok = _model()
+    prompts = _prompts(tok) * 2
+    stops = torch.tensor(list(range(0, len(tok), 9)))
+
+    def run(graphs: bool):
+        with torch.no_grad():
+            logits, cache, mask, pos = prefix_tree_forward(
+                model, prompts, [[0] * len(prompts)], tok.pad_token_id
+            )
+            return decode(model, logits[:, -1], cache, mask, pos, group=2, max_new_tokens=14,
+                          temperature=1.0, top_p=0.9, stop=stops, pad_id=tok.pad_token_id,
+                          uniforms=engine.row_uniforms(5, 12, 14), graphs=graphs,
+                          width_bucket=4)  # fmt: skip
+
+    eager_tokens, eager_lengths = run(False)
+    assert not captured
+    tokens, lengths = run(True)
+    assert torch.equal(tokens, eager_tokens) and torch.equal(lengths, eager_lengths)
+    assert len(set(eager_lengths.tolist())) > 1  # rows ended at different steps
+    assert len(captured) >= 2 and len(replays) > len(captured)
