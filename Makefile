@@ -95,11 +95,13 @@ format: setup
 # TEST_WORKERS=0 runs it in one process. Tiers (markers in pyproject.toml): `make test` is the
 # whole suite, what CI runs; `make test-fast` leaves out the `slow` tests (training, whole verbs)
 # and the `e2e` ones (verl workers, servers, subprocesses, wheel builds, notebooks).
-# `--dist loadgroup` hands out one test at a time, but the tests of an `xdist_group` to one
-# worker, first (test_verl_e2e.py: its module fixtures, two verl runs, then start once).
+# `--dist loadfile` hands each test file to one worker, in collection order, so a module fixture
+# runs once (test_verl_e2e.py's two verl runs, ~2 min each; test_sweep.py's composed plans).
+# Not `--dist loadgroup`: with pytest 9, xdist 3.8's `xdist_group` marks are lost (it renames
+# items through `_nodeid`, which pytest no longer reads) and a group's tests are split.
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
-XDIST := -n $(TEST_WORKERS) --dist loadgroup
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: setup lint
 	$(VENV)/bin/pytest -q $(XDIST) $(PYTEST_ARGS)

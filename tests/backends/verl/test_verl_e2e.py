@@ -10,11 +10,11 @@ processes wrote: verl's file logger (the driver's metrics, checked by the GPU sm
 `check_run`) and the rollout server's request log.
 
 Each verl process costs ~2 min of startup on 2 cores (a dozen processes that each import verl),
-so the tests share two runs, each started once for the module (module fixtures; the
-`xdist_group` keeps the tests on one pytest-xdist worker): OM-GRPO with CAR at w = 0 (2 steps,
-collapse stop forced, a checkpoint at step 2), and one step at w = 1 whose reward holds the
-parts of the w = 1 methods tested here, majority voting, GT and the PRM's process reward (a
-tiny random PRM in its Ray actor) with format. Each part is logged on its own, so each method's
+so the tests share two runs, each started once for the module (module fixtures; `make test`
+hands each test file to one pytest-xdist worker, `--dist loadfile`): OM-GRPO with CAR at w = 0
+(2 steps, collapse stop forced, a checkpoint at step 2), and one step at w = 1 whose reward
+holds the parts of the w = 1 methods tested here, majority voting, GT and the PRM's process
+reward (a tiny random PRM in its Ray actor) with format. Each part is logged on its own, so each method's
 reward is checked as in a run of that method alone; that `method=mv` / `method=gt` select
 exactly these settings is checked on their composed configs. The OM-GRPO run's omgrpo run store
 is then read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export`
@@ -37,8 +37,7 @@ from toy_models import tiny_qwen3_config
 
 from omgrpo.backends.verl.smoke import COLLAPSE_AT_STEP_2, check_run, read_metrics
 
-# one worker runs the module, so each module fixture (a verl run) starts once per suite
-pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group("verl_e2e")]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 TIMEOUT_S = 900  # per verl process (a guard against hangs; ~2 min each on 2 idle cores)
 G = 8
