@@ -8,9 +8,13 @@ everything after `train` is passed to Hydra unchanged, so `--cfg job`, `--help` 
 
 from __future__ import annotations
 
+import os
 import sys
 
-USAGE = """usage: omgrpo <command> [args]
+USAGE = """usage: omgrpo [--debug] <command> [args]
+
+Bad input is refused with `omgrpo <command>: error: ...` and exit status 2 (the traceback only
+with --debug or OMGRPO_DEBUG=1); any other failure prints its traceback: a bug to report.
 
 commands:
   train [overrides...]   train (default: OM-GRPO on the toy world, CPU). Examples:
@@ -89,7 +93,84 @@ commands:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a verb. Bad input (`omgrpo.errors.InputError`, a missing or existing file, a file
+    that does not parse, a config that does not compose) is printed as `omgrpo <verb>: error:
+    ...` and exits 2; its traceback only with `--debug` (before the verb) or OMGRPO_DEBUG=1.
+    Any other exception is a bug: its traceback, and a line asking to report it."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    while argv and argv[0] == "--debug":
+        argv.pop(0)
+        os.environ["OMGRPO_DEBUG"] = "1"
+    verb = _verb_name(argv)
+    try:
+        return _dispatch(argv)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # the one place that reports every failure
+        return report_failure(verb, e)
+
+
+def _verb_name(argv: list[str]) -> str:
+    """`omgrpo eval`, `omgrpo data convert`: the prefix of the error lines."""
+    if not argv:
+        return "omgrpo"
+    if argv[0] in {"data", "prm"} and len(argv) > 1 and not argv[1].startswith("-"):
+        return f"omgrpo {argv[0]} {argv[1]}"
+    return f"omgrpo {argv[0]}"
+
+
+def expected_error(e: BaseException) -> bool:
+    """Bad input rather than a bug: InputError (and the older errors of its kind: checkpoint,
+    benchmark data and sweep errors), a file that is missing, exists, or is the wrong kind, a
+    JSON / YAML file that does not parse, and a Hydra config that does not compose. A plain
+    ValueError, KeyError or TypeError is not: it is a bug to report (verbs raise InputError)."""
+    from omgrpo.errors import InputError
+
+    if isinstance(e, InputError | FileNotFoundError | FileExistsError):
+        return True
+    if isinstance(e, NotADirectoryError | IsADirectoryError | PermissionError):
+        return True
+    import json
+
+    if isinstance(e, json.JSONDecodeError):
+        return True
+    for module, name in (("yaml", "YAMLError"), ("hydra.errors", "HydraException")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return True
+    from omgrpo.eval.checkpoints import CheckpointError
+    from omgrpo.eval.data import BenchmarkDataError
+    from omgrpo.sweep import SweepError
+
+    return isinstance(e, CheckpointError | BenchmarkDataError | SweepError)
+
+
+def report_failure(verb: str, e: BaseException) -> int:
+    """Print an exception that reached `main`: bad input in a few lines (exit 2), else the
+    traceback and a request to report the bug (exit 1)."""
+    import traceback
+
+    from omgrpo import __version__
+    from omgrpo.errors import debug_enabled, short_message
+
+    if expected_error(e):
+        if debug_enabled():
+            traceback.print_exception(e, file=sys.stderr)
+        message = short_message(e)
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in message:
+            message = f"{e.filename}: {message}"
+        print(f"{verb}: error: {message}", file=sys.stderr)
+        return 2
+    traceback.print_exception(e, file=sys.stderr)
+    print(
+        f"{verb}: internal error ({type(e).__name__}): this is a bug in omgrpo {__version__}; "
+        "please report it with the command line and the traceback above",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(USAGE)
         return 0
@@ -135,9 +216,9 @@ def _train(overrides: list[str]) -> int:
     backend = backends[-1] if backends else "native"
     available = available_backends()
     if backend not in available:
-        names = ", ".join(available)
-        print(f"omgrpo train: unknown backend '{backend}' ({names})", file=sys.stderr)
-        return 2
+        from omgrpo.errors import InputError
+
+        raise InputError(f"unknown backend '{backend}' ({', '.join(available)})")
     return importlib.import_module(f"omgrpo.backends.{backend}.launch").main(overrides)
 
 
@@ -157,39 +238,35 @@ def _plan(args: list[str]) -> int:
         return plan_table_main(args)
     import argparse
     import json
-    from pathlib import Path
 
     import torch
 
-    from omgrpo.config import compose
-    from omgrpo.models.memory import GIB, format_plan, plan_memory
+    from omgrpo.config import check_values, compose
+    from omgrpo.errors import InputError, check_number
+    from omgrpo.models.memory import GIB, check_model_config, format_plan, plan_memory
 
     parser = argparse.ArgumentParser(prog="omgrpo plan", description="Memory plan of a config.")
     parser.add_argument("--device-gb", type=float, help="device memory in GiB (default: the GPU's)")
     parser.add_argument("--json", action="store_true", help="the plan as JSON")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
     ns = parser.parse_intermixed_args(args)  # overrides before or after the flags
+    if ns.device_gb is not None:
+        check_number(ns.device_gb, "--device-gb", minimum=0, exclusive_minimum=True)
     cfg = compose(ns.overrides)
+    check_values(cfg)
     if not cfg.model.path:
-        print(
-            "omgrpo plan: set model.path to a directory with the model's config.json (no "
-            "weights needed); the toy model (model.path null) is a few MB and is not planned",
-            file=sys.stderr,
+        raise InputError(
+            "set model.path to a directory with the model's config.json (no weights needed); "
+            "the toy model (model.path null) is a few MB and is not planned",
+            key="model.path",
         )
-        return 2
-    if Path(cfg.model.path).is_dir() and not (Path(cfg.model.path) / "config.json").exists():
-        print(f"omgrpo plan: no config.json in {cfg.model.path}", file=sys.stderr)
-        return 2
+    check_model_config(cfg.model.path)
     if ns.device_gb is not None:
         device_bytes = int(ns.device_gb * GIB)
     elif torch.cuda.is_available():
         device_bytes = torch.cuda.get_device_properties(0).total_memory
     else:
-        print(
-            "omgrpo plan: no GPU visible; give the device memory with --device-gb N",
-            file=sys.stderr,
-        )
-        return 2
+        raise InputError("no GPU visible; give the device memory with --device-gb N")
     device_type = "cpu" if cfg.model.device == "cpu" else "cuda"
     plan = plan_memory(cfg, cfg.model.path, device_bytes, device_type)
     print(json.dumps(plan.to_json(), indent=2) if ns.json else format_plan(plan))

@@ -354,6 +354,78 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
         )
 
 
+# (key, kind, minimum, maximum, null allowed): the ranges `check_values` enforces. "int" and
+# "float" are closed ranges; "float>" excludes its minimum. A value outside is refused where the
+# config enters (`omgrpo train` before Hydra writes anything, `omgrpo plan`), naming the key.
+VALUE_RANGES: tuple[tuple[str, str, float | None, float | None, bool], ...] = (
+    ("seed", "int", 0, None, False),
+    ("task.n_train", "int", 1, None, False),
+    ("task.n_val", "int", 0, None, False),
+    ("task.n_test", "int", 0, None, False),
+    ("rollout.n", "int", 2, None, False),
+    ("rollout.temperature", "float", 0, None, False),
+    ("rollout.top_p", "float>", 0, 1, False),
+    ("rollout.max_new_tokens", "int", 1, None, False),
+    ("rollout.max_prompt_len", "int", 1, None, False),
+    ("rollout.max_batch_tokens", "int", 1, None, True),
+    ("eval.every", "int", 0, None, False),
+    ("eval.num_prompts", "int", 1, None, False),
+    ("eval.k", "int", 1, None, False),
+    ("eval.temperature", "float", 0, None, False),
+    ("eval.top_p", "float>", 0, 1, False),
+    ("eval.batch_size", "int", 1, None, False),
+    ("algorithm.clip", "float>", 0, None, False),
+    ("algorithm.kl_coef", "float", 0, None, False),
+    ("algorithm.ppo_epochs", "int", 1, None, False),
+    ("algorithm.mini_batch_size", "int", 1, None, True),
+    ("algorithm.micro_batch_size", "int", 1, None, True),
+    ("optim.lr", "float>", 0, None, False),
+    ("optim.eps", "float>", 0, None, False),
+    ("optim.weight_decay", "float", 0, None, False),
+    ("optim.warmup_ratio", "float", 0, 1, False),
+    ("optim.min_lr_ratio", "float", 0, 1, False),
+    ("optim.grad_clip", "float", 0, None, False),
+    ("trainer.steps", "int", 1, None, True),
+    ("trainer.epochs", "int", 1, None, False),
+    ("trainer.prompts_per_step", "int", 1, None, False),
+    ("trainer.save_every", "int", 0, None, False),
+    ("trainer.keep_checkpoints", "int", 1, None, False),
+    ("trainer.log_rollouts_every", "int", 1, None, False),
+    ("trainer.max_consecutive_skips", "int", 1, None, False),
+    ("trainer.log_every", "int", 0, None, False),
+    ("trainer.threads", "int", 1, None, True),
+    ("trainer.grad_probe_every", "int", 0, None, False),
+    ("reward.equivalence_timeout", "float>", 0, None, False),
+    ("reward.grading_budget_s", "float>", 0, None, False),
+    ("collapse.patience", "int", 1, None, False),
+    ("diagnostics.mechanism_every", "int", 0, None, False),
+    ("diagnostics.mechanism_prompts", "int", 1, None, False),
+)
+
+
+def check_values(cfg: DictConfig) -> None:
+    """Refuse a config value out of its range (`VALUE_RANGES`) with an InputError naming the
+    key, the value and the range: e.g. trainer.steps=0 (it trained a whole epoch), -1 (it
+    reported "run finished" after no step), rollout.n=0 (it divided by zero)."""
+    from omgrpo.errors import check_int, check_number
+
+    for key, kind, low, high, nullable in VALUE_RANGES:
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None and OmegaConf.select(cfg, key, default="<absent>") == "<absent>":
+            continue  # a config without this key (another backend's)
+        if kind == "int":
+            check_int(value, key, minimum=low, maximum=high, allow_none=nullable)
+        else:
+            check_number(
+                value,
+                key,
+                minimum=low,
+                maximum=high,
+                exclusive_minimum=kind == "float>",
+                allow_none=nullable,
+            )
+
+
 def validate_lora(lora: DictConfig, prefix: str = "model.lora") -> None:
     """Reject LoRA settings peft cannot train with, naming the key (`prefix`.<field>)."""
     rank = lora.rank

@@ -12,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "omgrpo"
 # its own (`omgrpo.core.task`, `omgrpo.core.prompt`), the tasks (toy world, file loaders) sit
 # above it.
 BELOW = {
+    "omgrpo.errors": set(),  # the one error type of bad input (issue 37): usable everywhere
     "omgrpo.console": set(),
     "omgrpo.tracking": set(),
     "omgrpo.core": set(),
@@ -20,6 +21,9 @@ BELOW = {
     "omgrpo.models": {"omgrpo.core", "omgrpo.generation", "omgrpo.tasks", "omgrpo.console"},
     "omgrpo.config": {"omgrpo.core", "omgrpo.tasks", "omgrpo.tracking"},
 }
+for _part_name in BELOW:
+    if _part_name != "omgrpo.errors":
+        BELOW[_part_name].add("omgrpo.errors")
 LOWER = set(BELOW)
 BELOW["omgrpo.backends"] = LOWER
 BELOW["omgrpo.analysis"] = LOWER

@@ -22,6 +22,14 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
 
 
 def _fail(prog: str, message: str) -> int:
+    """Print `PROG: error: MESSAGE` (with the traceback of the exception being handled, if
+    any, under --debug / OMGRPO_DEBUG=1) and return 2."""
+    from omgrpo.errors import debug_enabled
+
+    if debug_enabled() and sys.exc_info()[1] is not None:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
 

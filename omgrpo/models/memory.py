@@ -112,6 +112,89 @@ KNOBS = (
 )
 
 
+# The config.json fields the plan reads (transformers' canonical names; a model class may
+# store one under another name, e.g. GPT-2's n_layer, via its attribute_map).
+PLANNED_FIELDS = (
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
+
+
+def check_model_config(model_dir: str) -> None:
+    """Refuse, with an InputError naming the file and the field, a `model.path` the planner
+    cannot plan truthfully: no such directory, no or unparsable config.json, no model_type, or
+    a field of `PLANNED_FIELDS` missing (transformers would fill in its library default: a
+    different model planned) or not a positive integer."""
+    import json
+    from pathlib import Path
+
+    from omgrpo.errors import InputError
+
+    path = Path(model_dir)
+    expected = "a directory with the model's config.json (no weights needed)"
+    if not path.exists():
+        hub_id = not path.is_absolute() and not str(model_dir).startswith(".")
+        if not hub_id or str(model_dir).count("/") != 1:
+            raise InputError(
+                "no such directory", key="model.path", found=str(model_dir), expected=expected
+            )
+        try:
+            from transformers import AutoConfig
+
+            AutoConfig.from_pretrained(model_dir)  # a hub id in the local cache
+        except (OSError, ValueError) as e:
+            raise InputError(
+                "no such directory, and not a model in the local Hugging Face cache",
+                key="model.path",
+                found=str(model_dir),
+                expected=expected,
+            ) from e
+        return
+    if not path.is_dir():
+        raise InputError(
+            "not a directory", key="model.path", found=str(model_dir), expected=expected
+        )
+    file = path / "config.json"
+    if not file.is_file():
+        raise InputError("no config.json", file=path, key="model.path", expected=expected)
+    try:
+        raw = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"not valid JSON ({e})", file=file) from e
+    if not isinstance(raw, dict):
+        raise InputError("not a JSON object", file=file, found=type(raw).__name__)
+    if not isinstance(raw.get("model_type"), str) or not raw["model_type"]:
+        raise InputError(
+            "no model_type", file=file, key="model_type", expected='e.g. "qwen2", "llama"'
+        )
+    from transformers import CONFIG_MAPPING
+
+    if raw["model_type"] not in CONFIG_MAPPING:
+        raise InputError(
+            "unknown to this transformers",
+            file=file,
+            key="model_type",
+            found=raw["model_type"],
+            expected="a model type transformers knows",
+        )
+    aliases = getattr(CONFIG_MAPPING[raw["model_type"]], "attribute_map", {}) or {}
+    for name in PLANNED_FIELDS:
+        key = name if name in raw else aliases.get(name, name)
+        if key not in raw:
+            raise InputError(
+                "missing (the plan would use the library's default: another model)",
+                file=file,
+                key=name,
+                expected="a positive integer",
+            )
+        value = raw[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(file=file, key=key, found=value, expected="a positive integer")
+
+
 @functools.lru_cache(maxsize=8)
 def model_shape(model_dir: str) -> ModelShape:
     """The shape of the causal LM whose `config.json` is in `model_dir` (or a hub id), its

@@ -22,12 +22,44 @@ def main(overrides: list[str]) -> int:
         run_dir = train(cfg)
         print(f"run finished: {run_dir}  (metrics.jsonl, rollouts/, checkpoints/)")
 
+    _check_before_hydra(overrides)  # a refusal writes nothing (Hydra writes <run dir>/.hydra/)
     if (skip := _finished(overrides)) is not None:  # before Hydra writes <run dir>/.hydra/
         print(skip)
         return 0
     sys.argv = ["omgrpo-train", *overrides]
     app()
     return 0
+
+
+def _check_before_hydra(overrides: list[str]) -> None:
+    """Refuse, before Hydra writes `<run dir>/.hydra/`, a command line whose config values are
+    out of range or whose run directory holds a finished run of another config (InputError,
+    exit 2, nothing written), and one that does not compose (a bad key or value type). Hydra
+    flags (`--cfg job`, `-m`) and `hydra.*` overrides skip it: Hydra composes and reports
+    those, and a multirun's values are checked by each run."""
+    if any(o.startswith("-") for o in overrides):
+        return
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from omgrpo.backends.native.run import check_config
+    from omgrpo.backends.native.trainer import skip_message
+    from omgrpo.config import compose
+    from omgrpo.errors import InputError, short_message
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        if any(o.lstrip("+~").startswith("hydra") for o in overrides):
+            return  # Hydra's own settings: left to Hydra to compose and report
+        raise InputError(f"the config does not compose: {short_message(e)}") from e
+    try:
+        check_config(cfg)
+        skip_message(cfg)
+    except InputError:
+        raise
+    except ValueError as e:  # check_config's and skip_message's refusals
+        raise InputError(str(e)) from e
 
 
 def _finished(overrides: list[str]) -> str | None:

@@ -25,7 +25,7 @@ from omgrpo.backends.native.checkpoint import (
     set_rng_state,
 )
 from omgrpo.backends.native.mechanism import MechanismProbe
-from omgrpo.config import to_container, validate_algorithm, validate_lora
+from omgrpo.config import check_values, to_container, validate_algorithm, validate_lora
 from omgrpo.core.answers import Grader
 from omgrpo.core.process import aggregate
 from omgrpo.core.rewards import get_reward
@@ -200,6 +200,7 @@ def check_config(cfg) -> None:
         raise ValueError(
             f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}"
         )
+    check_values(cfg)  # every other numeric key's range (InputError naming the key)
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_ratio: float, min_ratio: float):
