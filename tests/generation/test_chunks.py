@@ -153,9 +153,9 @@ def test_a_seed_fixes_the_rows_and_none_draws_from_the_global_rng():
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_reading_the_device_every_k_tokens_gives_the_same_rows(monkeypatch, every):
-    """The loop reads which rows are open every `CHECK_EVERY` tokens and then drops ended
-    prompts; more or fewer reads give the same rows (the default never reads within NEW
-    tokens, every 1 or 3 drops prompts as they end)."""
+    """The loop reads which rows are open every few tokens (on a GPU `CHECK_EVERY` = 32,
+    on the CPU every token) and then drops ended prompts; more or fewer reads give the same
+    rows (every 32 never reads within NEW tokens; every 1 or 3 drops prompts as they end)."""
     model, tok = _model()
     prompts = _prompts(tok)
 
@@ -163,10 +163,11 @@ def test_reading_the_device_every_k_tokens_gives_the_same_rows(monkeypatch, ever
         longest_per_prompt = seqs.response_mask.sum(-1).view(len(prompts), 3).max(-1).values
         return _ragged(seqs) and bool((longest_per_prompt < NEW - 1).any())
 
+    monkeypatch.setattr(engine, "CHECK_EVERY_CPU", 32)  # > NEW: rows are never dropped
     seed = _seed_where(lambda s: a_prompt_ends_early(_sample(model, tok, prompts, 3, seed=s)))
     whole = _sample(model, tok, prompts, 3, seed=seed)
-    assert engine.CHECK_EVERY >= NEW and a_prompt_ends_early(whole)
-    monkeypatch.setattr(engine, "CHECK_EVERY", every)
+    assert a_prompt_ends_early(whole)
+    monkeypatch.setattr(engine, "CHECK_EVERY_CPU", every)
     dropped = []
     real_keep = engine._LeanKV.keep
     monkeypatch.setattr(

@@ -236,7 +236,7 @@ def test_the_graph_runner_decodes_what_eager_decoding_does(monkeypatch):
 
     monkeypatch.setattr(engine._CudaGraphSteps, "_capture", staticmethod(capture))
     monkeypatch.setattr(engine._CudaGraphSteps, "_warm_up", staticmethod(lambda body: body()))
-    monkeypatch.setattr(engine, "CHECK_EVERY", 3)
+    monkeypatch.setattr(engine, "CHECK_EVERY_CPU", 3)
     model, tok = _model()
     prompts = _prompts(tok) * 2
     stops = torch.tensor(list(range(0, len(tok), 9)))
