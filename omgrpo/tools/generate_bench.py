@@ -516,7 +516,7 @@ def _toy_base(cfg):
 
     directory = base_model_dir(cfg.model, cfg.task, load_task(cfg.task))
     model = load_model(directory, torch.device("cpu"), torch.float32)
-    return Path(directory), load_tokenizer(directory), model
+    return Path(directory).resolve(), load_tokenizer(directory), model
 
 
 def _toy_prompts(cfg, tokenizer, count: int) -> list[str]:
