@@ -61,6 +61,7 @@ from typing import Any
 
 import yaml
 
+from omgrpo.errors import InputError
 from omgrpo.tracking.store import DONE_STATES
 
 __all__ = [
@@ -78,7 +79,7 @@ FAILED_STATE = "failed"
 SCALAR_TYPES = (str, int, float, bool)
 
 
-class SweepError(ValueError):
+class SweepError(InputError):
     """A malformed sweep file or grid (the message names the file and the key)."""
 
 

@@ -229,3 +229,126 @@ TRAIN = [
 def test_train_refuses_before_writing(tmp_path, capsys, monkeypatch, args, setup, names):
     err = refuse(["train", "run.root=runs", *args], tmp_path, capsys, monkeypatch, setup)
     assert names in err
+
+
+# -- eval and its suite files: validated as a whole before any model loads or file is written ------
+OK_ROW = {"id": "1", "question": "1+1?", "answer": "2"}
+
+
+def _eval_setup(suite: str | bytes | None = None, extra: dict[str, str] | None = None):
+    """A model directory m/ (config.json only: nothing may load it), ok.jsonl, and the suite
+    file s.yaml; an earlier summary in m/eval/s/ that a refusal must leave alone."""
+
+    def setup(root: Path) -> None:
+        (root / "m" / "eval" / "s").mkdir(parents=True)
+        (root / "m" / "config.json").write_text('{"model_type": "qwen2"}')
+        (root / "m" / "eval" / "s" / "summary.json").write_text('{"suite": "s"}\n')
+        (root / "ok.jsonl").write_text(json.dumps(OK_ROW) + "\n")
+        rows = [{**OK_ROW, "id": "a"}, {**OK_ROW, "id": "a"}, {**OK_ROW, "id": "b"}]
+        (root / "dup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        for name, text in (extra or {}).items():
+            (root / name).write_text(text)
+        if suite is not None:
+            data = suite if isinstance(suite, bytes) else suite.encode()
+            (root / "s.yaml").write_bytes(data)
+
+    return setup
+
+
+def _bench(**fields) -> str:
+    spec = {"path": "ok.jsonl", "k": 1, **fields}
+    return yaml.safe_dump({"name": "s", "benchmarks": {"b": spec}})
+
+
+EVAL = [
+    ("empty-suite", "name: s\nbenchmarks: {}\n", "s.yaml: benchmarks: no benchmarks"),
+    ("empty-file", "", "s.yaml: not a suite"),
+    ("broken-yaml", "name: s\nbenchmarks: [\n", "s.yaml, line 3, column 1: not valid YAML"),
+    ("not-utf8", b"\xff\xfe", "s.yaml: not UTF-8"),
+    ("a-list", "- a\n- b\n", "s.yaml: not a suite"),
+    ("benchmarks-a-list", "benchmarks: [a, b]\n", "s.yaml: benchmarks: no benchmarks"),
+    ("misspelt-top-key", "benchmark:\n  b: {path: ok.jsonl, k: 1}\n", "['benchmark']"),
+    ("dotdot-benchmark", "benchmarks:\n  ../evil: {path: ok.jsonl, k: 1}\n", "../evil"),
+    ("slash-benchmark", "benchmarks:\n  a/b: {path: ok.jsonl, k: 1}\n", "benchmarks.a/b"),
+    ("dotdot-suite-name", "name: ../evil\nbenchmarks:\n  b: {path: ok.jsonl, k: 1}\n", "name"),
+    ("numeric-suite-name", "name: 3\nbenchmarks:\n  b: {path: ok.jsonl, k: 1}\n", "name"),
+    ("spec-a-number", "benchmarks:\n  b: 5\n", "s.yaml: benchmarks.b (found 5"),
+    ("defaults-a-number", "defaults: 3\nbenchmarks:\n  b: {path: ok.jsonl, k: 1}\n", "defaults"),
+    ("missing-path", "benchmarks:\n  b: {k: 1}\n", "benchmarks.b.path: missing"),
+    ("missing-k", "benchmarks:\n  b: {path: ok.jsonl}\n", "benchmarks.b.k: missing"),
+    ("k-zero", _bench(k=0), "benchmarks.b.k (found 0"),
+    ("k-float", _bench(k=2.5), "benchmarks.b.k (found 2.5"),
+    ("k-string", _bench(k="4"), "benchmarks.b.k (found '4'"),
+    ("k-bool", _bench(k=True), "benchmarks.b.k (found True"),
+    ("temperature-negative", _bench(temperature=-1), "benchmarks.b.temperature"),
+    ("temperature-nan", "benchmarks:\n  b: {path: ok.jsonl, k: 1, temperature: .nan}\n", "nan"),
+    ("top-p-zero", _bench(top_p=0), "benchmarks.b.top_p"),
+    ("top-p-above-one", _bench(top_p=2), "benchmarks.b.top_p"),
+    ("tokens-zero", _bench(max_new_tokens=0), "benchmarks.b.max_new_tokens"),
+    ("limit-negative", _bench(limit=-1), "benchmarks.b.limit (found -1"),
+    ("limit-zero", _bench(limit=0), "benchmarks.b.limit (found 0"),
+    ("seed-negative", _bench(seed=-3), "benchmarks.b.seed"),
+    ("unknown-format", _bench(answer_format="latex"), "benchmarks.b.answer_format"),
+    ("unknown-field", _bench(temp=1), "unknown key(s) ['temp']"),
+    ("empty-path", _bench(path=""), "benchmarks.b.path"),
+    ("path-a-number", _bench(path=3), "benchmarks.b.path"),
+    ("no-such-data", _bench(path="nothere.jsonl"), "benchmarks.b.path"),
+    ("data-a-folder", _bench(path="m"), "m: a directory"),
+    ("duplicate-ids", _bench(path="dup.jsonl"), "duplicate id 'a' (first at dup.jsonl, line 1)"),
+    (
+        "second-benchmark-bad",  # the first is fine: still nothing is loaded or written
+        yaml.safe_dump(
+            {"benchmarks": {"a": {"path": "ok.jsonl", "k": 1}, "b": {"path": "no.jsonl", "k": 1}}}
+        ),
+        "benchmarks.b.path",
+    ),
+]
+
+
+@pytest.mark.parametrize(("suite", "names"), [r[1:] for r in EVAL], ids=[r[0] for r in EVAL])
+def test_eval_refuses_a_bad_suite_before_loading_anything(
+    tmp_path, capsys, monkeypatch, suite, names
+):
+    err = refuse(
+        ["eval", "m", "--suite", "s.yaml"], tmp_path, capsys, monkeypatch, _eval_setup(suite)
+    )
+    assert names in err
+
+
+EVAL_ARGS = [
+    ("suite-not-found", ["--suite", "nothere.yaml"], "nothere.yaml: suite file not found"),
+    ("suite-a-folder", ["--suite", "m.yaml"], "m.yaml"),
+    ("unknown-suite", ["--suite", "nosuch"], "--suite: unknown suite"),
+    ("no-such-target", ["--suite", "s.yaml", "--", "nothere"], "nothere"),
+    ("batch-size-zero", ["--batch-size", "0"], "--batch-size (found 0"),
+    ("threads-negative", ["--threads", "-1"], "--threads (found -1"),
+    ("tp-zero", ["--backend", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size"),
+    (
+        "gpu-share-above-one",
+        ["--backend", "vllm", "--gpu-memory-utilization", "1.5"],
+        "utilization",
+    ),
+    ("gpu-share-nan", ["--backend", "vllm", "--gpu-memory-utilization", "nan"], "utilization"),
+    ("vllm-flag-native", ["--gpu-memory-utilization", "0.5"], "need --backend vllm"),
+    ("best-of-a-model-dir", ["--checkpoint", "best"], "--checkpoint must be 'last'"),
+    ("out-two-targets", ["m", "--out", "x"], "--out takes one target"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in EVAL_ARGS], ids=[r[0] for r in EVAL_ARGS]
+)
+def test_eval_refuses_bad_arguments(tmp_path, capsys, monkeypatch, args, names):
+    setup = _eval_setup(_bench())
+
+    def with_folder(root: Path) -> None:
+        setup(root)
+        (root / "m.yaml").mkdir()
+
+    if "--" in args:
+        cut = args.index("--")
+        argv = ["eval", *args[cut + 1 :], *args[:cut]]
+    else:
+        argv = ["eval", "m", *args]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, with_folder)
+    assert names in err

@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omgrpo.errors import InputError
 from omgrpo.tracking.store import RunStore
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     pass
 
 

@@ -7,6 +7,7 @@ import argparse
 import time
 
 from omgrpo.analysis.cli import _fail, _parse
+from omgrpo.errors import InputError, check_int, check_number
 from omgrpo.eval.sampler import BACKENDS
 
 
@@ -54,6 +55,20 @@ def eval_main(argv: list[str]) -> int:
         return ns
     if ns.out and len(ns.targets) > 1:
         return _fail("omgrpo eval", "--out takes one target")
+    try:
+        check_int(ns.batch_size, "--batch-size", minimum=1)
+        check_int(ns.threads, "--threads", minimum=1, allow_none=True)
+        check_int(ns.tensor_parallel_size, "--tensor-parallel-size", minimum=1, allow_none=True)
+        check_number(
+            ns.gpu_memory_utilization,
+            "--gpu-memory-utilization",
+            minimum=0,
+            maximum=1,
+            exclusive_minimum=True,
+            allow_none=True,
+        )
+    except InputError as e:
+        return _fail("omgrpo eval", str(e))
     if ns.threads:
         import torch
 

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from omgrpo.core.task import Problem
+from omgrpo.errors import InputError, check_int
 from omgrpo.tasks.files import _read_rows
 
 QUESTION_KEYS = ("problem", "question", "prompt", "Problem", "Question")
@@ -35,7 +36,7 @@ ANSWER_FORMATS = ("auto", "plain", "gsm8k")
 MAX_REPORTED = 20
 
 
-class BenchmarkDataError(ValueError):
+class BenchmarkDataError(InputError):
     """A benchmark file with bad rows; the message lists each (file, row, what is wrong)."""
 
 
@@ -88,13 +89,16 @@ def load_benchmark(
     empty question, missing or unreadable answer) by file and row (JSONL: line, 1-based;
     JSON / Parquet: row index, 0-based, as `omgrpo.tasks.files` names them)."""
     path = Path(path)
+    check_int(limit, "limit", minimum=1, allow_none=True)  # -1 dropped the last row, 0 none
     if not path.exists():
         raise FileNotFoundError(
             f"benchmark file not found: {path} (convert a local copy with `omgrpo data convert`, "
             "see docs/eval.md)"
         )
+    if path.is_dir():
+        raise BenchmarkDataError(f"{path}: a directory, not a benchmark file")
     rows = list(_read_rows(path))  # (where: file and row / line, row)
-    problems, errors = [], []
+    problems, errors, first_seen = [], [], {}
     for i, (where, row) in enumerate(rows[:limit] if limit else rows):
         try:
             if not isinstance(row, dict):
@@ -108,8 +112,12 @@ def load_benchmark(
         except (KeyError, ValueError) as e:
             errors.append(f"{where}: {e.args[0] if e.args else e}")
             continue
-        pid = row.get(id_key or "id", row.get("unique_id", i))
-        problems.append(Problem(id=str(pid), question=question, answer=answer))
+        pid = str(row.get(id_key or "id", row.get("unique_id", i)))
+        if pid in first_seen:  # per-problem results are keyed by id: a duplicate merges two
+            errors.append(f"{where}: duplicate id {pid!r} (first at {first_seen[pid]})")
+            continue
+        first_seen[pid] = where
+        problems.append(Problem(id=pid, question=question, answer=answer))
     if errors:
         shown = errors[:MAX_REPORTED]
         more = (

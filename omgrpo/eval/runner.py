@@ -35,6 +35,7 @@ import torch
 from omgrpo.core import answers as grader
 from omgrpo.core.answers import Grader
 from omgrpo.core.task import Problem
+from omgrpo.errors import InputError, inside
 from omgrpo.eval.checkpoints import Choice, choose_checkpoint
 from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
@@ -204,6 +205,16 @@ def benchmark_problems(spec: BenchmarkSpec, target: Target) -> list[Problem]:
     )
 
 
+def _problems_named(spec: BenchmarkSpec, target: Target, suite: Suite) -> list[Problem]:
+    """`benchmark_problems`, a missing file named with its suite and benchmark."""
+    try:
+        return benchmark_problems(spec, target)
+    except FileNotFoundError as e:
+        raise InputError(
+            str(e), key=f"suite '{suite.name}', benchmarks.{spec.name}.path", found=spec.path
+        ) from e
+
+
 def sample_and_grade(
     sampler: Sampler,
     problems: list[Problem],
@@ -313,22 +324,36 @@ def evaluate(
     target = resolve_target(target_path)
     if suite is None:
         suite = load_suite(default_suite_name(target.run_config))
+    if not suite.benchmarks:  # an empty suite would overwrite a summary with nothing
+        raise InputError(f"suite '{suite.name}' has no benchmarks")
+    names = [spec.name for spec in suite.benchmarks]
+    for name in names:  # file names in the output folder: never outside it
+        inside(".", name, f"suite '{suite.name}': benchmark name")
     choice = _checkpoint_choice(target, suite, checkpoint, select_metric, select_split)
     out_dir = eval_dir(target, suite, checkpoint, out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     version = grader_version()
+    # every benchmark still to do is read and checked before anything is written or loaded
+    earlier = {
+        spec.name: _earlier_result(out_dir, spec, choice, version, say) for spec in suite.benchmarks
+    }
+    todo = {
+        spec.name: _problems_named(spec, target, suite)
+        for spec in suite.benchmarks
+        if earlier[spec.name] is None
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
     say(f"evaluating {target.path} ({choice.why}) on suite '{suite.name}' -> {out_dir}")
 
     sampler = None
     results: dict[str, Any] = {}
     with ExitStack() as scratch:  # a checkpoint exported for vLLM lives until the suite is done
         for spec in suite.benchmarks:
-            done = _earlier_result(out_dir, spec, choice, version)
+            done = earlier[spec.name]
             if done is not None:
                 say(f"  {spec.name}: done before, kept ({out_dir / f'{spec.name}.json'})")
                 results[spec.name] = done
                 continue
-            problems = benchmark_problems(spec, target)
+            problems = todo[spec.name]
             if sampler is None:  # loaded once, and only when a benchmark is not done yet
                 sampler = build_sampler(
                     target,
@@ -375,14 +400,26 @@ def _checkpoint_choice(
 
 
 def _earlier_result(
-    out_dir: Path, spec: BenchmarkSpec, choice: Choice, version: dict[str, Any]
+    out_dir: Path,
+    spec: BenchmarkSpec,
+    choice: Choice,
+    version: dict[str, Any],
+    say: Callable[[str], None] = print,
 ) -> dict[str, Any] | None:
     """A benchmark's entry from an earlier evaluation into `out_dir`, if it was made with the
-    same settings, checkpoint and grader and its table is there; else None (evaluate again)."""
+    same settings, checkpoint and grader and its table is there; else None (evaluate again).
+    An unreadable entry (a run killed while writing it) is evaluated again, and said so."""
     marker = out_dir / f"{spec.name}.json"
     if not marker.exists():
         return None
-    done = json.loads(marker.read_text())
+    try:
+        done = json.loads(marker.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        say(f"  {spec.name}: {marker} is unreadable ({e}); evaluated again")
+        return None
+    if not isinstance(done, dict):
+        say(f"  {spec.name}: {marker} is not an entry; evaluated again")
+        return None
     same = (
         done.get("settings") == spec.settings()
         and done.get("checkpoint", {}).get("path") == choice.path

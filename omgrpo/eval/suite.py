@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from omgrpo.core.prompt import SYSTEM_PROMPT
+from omgrpo.errors import InputError, check_int, check_number, inside
 
 TOY_SOURCE = "toy:test"  # the toy world's test split, from the run's task config
 
@@ -89,34 +90,149 @@ def builtin_suite(name: str) -> Suite:
         )
     if name == "toy":
         return Suite("toy", [BenchmarkSpec("toy_test", TOY_SOURCE, 8, max_new_tokens=64)])
-    raise ValueError(f"unknown suite '{name}': use paper, toy or a YAML file")
+    raise InputError(
+        "unknown suite", key="--suite", found=name, expected="paper, toy or a .yaml file"
+    )
 
 
 def load_suite(name_or_path: str) -> Suite:
-    """A built-in suite by name, or a suite YAML file (errors name the file and key; relative
-    benchmark paths are read from the working directory, like `task.*_path`)."""
+    """A built-in suite by name, or a suite YAML file, validated as a whole before anything
+    loads: every error names the file and the key (`benchmarks.<name>.<field>`), with the value
+    found and what was expected. Relative benchmark paths are read from the working directory,
+    like `task.*_path`. Suite and benchmark names become file names in the output folder: they
+    must be plain names (no '/', no '..')."""
     path = Path(name_or_path)
     if path.suffix not in {".yaml", ".yml"}:
         return builtin_suite(name_or_path)
     if not path.exists():
-        raise FileNotFoundError(f"suite file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
-        raise ValueError(f"{path}: needs a 'benchmarks' mapping (name -> {{path, k, ...}})")
+        raise InputError("suite file not found", file=path)
+    if not path.is_file():
+        raise InputError("not a file", file=path, expected="a suite YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise InputError(f"not valid YAML: {problem}", file=path, row=where) from e
+    expected = "a mapping with 'benchmarks: {name: {path: ..., k: ...}}'"
+    if not isinstance(data, dict):
+        raise InputError("not a suite", file=path, found=_short(data), expected=expected)
+    unknown = sorted(set(data) - {"name", "defaults", "benchmarks"}, key=str)
+    if unknown:
+        raise InputError(
+            f"unknown top-level key(s) {unknown}", file=path, expected="name, defaults, benchmarks"
+        )
+    benchmarks_node = data.get("benchmarks")
+    if not isinstance(benchmarks_node, dict) or not benchmarks_node:
+        raise InputError(
+            "no benchmarks (an empty suite would overwrite an existing summary with nothing)",
+            file=path,
+            key="benchmarks",
+            found=_short(benchmarks_node),
+            expected="a non-empty mapping name -> {path, k, ...}",
+        )
+    name = data.get("name")
+    if name is None:
+        name = path.stem
+    if not isinstance(name, str):
+        raise InputError(file=path, key="name", found=name, expected="a string")
+    inside(".", name, "name", file=path)
     defaults = data.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise InputError(file=path, key="defaults", found=_short(defaults), expected="a mapping")
     fields = {f.name for f in dataclasses.fields(BenchmarkSpec)} - {"name"}
+    unknown = sorted(set(defaults) - fields, key=str)
+    if unknown:
+        raise InputError(
+            f"unknown key(s) {unknown}",
+            file=path,
+            key="defaults",
+            expected=f"some of {sorted(fields)}",
+        )
     benchmarks = []
-    for bench, spec in data["benchmarks"].items():
+    for bench, spec in benchmarks_node.items():
+        if not isinstance(bench, str):
+            raise InputError(
+                "a benchmark name must be a string", file=path, key="benchmarks", found=bench
+            )
+        inside(".", bench, f"benchmarks.{bench}", file=path)
+        if spec is not None and not isinstance(spec, dict):
+            raise InputError(
+                file=path,
+                key=f"benchmarks.{bench}",
+                found=_short(spec),
+                expected="a mapping {path, k, ...}",
+            )
         merged = {**defaults, **(spec or {})}
-        unknown = sorted(set(merged) - fields)
+        unknown = sorted(set(merged) - fields, key=str)
         if unknown:
-            raise ValueError(
-                f"{path}: benchmarks.{bench}: unknown key(s) {unknown}; valid: {sorted(fields)}"
+            raise InputError(
+                f"unknown key(s) {unknown}",
+                file=path,
+                key=f"benchmarks.{bench}",
+                expected=f"some of {sorted(fields)}",
             )
         for required in ("path", "k"):
             if required not in merged:
-                raise ValueError(f"{path}: benchmarks.{bench}: missing '{required}'")
-        if not isinstance(merged["k"], int) or merged["k"] < 1:
-            raise ValueError(f"{path}: benchmarks.{bench}.k: expected an integer >= 1")
-        benchmarks.append(BenchmarkSpec(name=str(bench), **merged))
-    return Suite(str(data.get("name") or path.stem), benchmarks)
+                raise InputError("missing", file=path, key=f"benchmarks.{bench}.{required}")
+        _check_fields(merged, f"benchmarks.{bench}", path)
+        benchmarks.append(BenchmarkSpec(name=bench, **merged))
+    return Suite(name, benchmarks)
+
+
+def _check_fields(spec: dict[str, Any], prefix: str, file: Path) -> None:
+    """Each field of a benchmark's spec within its range (InputError naming the key)."""
+    from omgrpo.eval.data import ANSWER_FORMATS
+
+    def key(field_name: str) -> str:
+        return f"{prefix}.{field_name}"
+
+    bench_path = spec["path"]
+    if not isinstance(bench_path, str) or not bench_path.strip():
+        raise InputError(
+            file=file,
+            key=key("path"),
+            found=bench_path,
+            expected="a .jsonl / .json / .parquet file, or toy:test",
+        )
+    check_int(spec["k"], key("k"), minimum=1, file=file)
+    if "temperature" in spec:
+        check_number(spec["temperature"], key("temperature"), minimum=0, file=file)
+    if "top_p" in spec:
+        check_number(
+            spec["top_p"], key("top_p"), minimum=0, maximum=1, exclusive_minimum=True, file=file
+        )
+    if "max_new_tokens" in spec:
+        check_int(spec["max_new_tokens"], key("max_new_tokens"), minimum=1, file=file)
+    if "limit" in spec:
+        check_int(spec["limit"], key("limit"), minimum=1, allow_none=True, file=file)
+    if "seed" in spec:
+        check_int(spec["seed"], key("seed"), minimum=0, file=file)
+    for name in ("question_key", "answer_key"):
+        value = spec.get(name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise InputError(
+                file=file, key=key(name), found=value, expected="a column name (or null: detected)"
+            )
+    if "answer_format" in spec and spec["answer_format"] not in ANSWER_FORMATS:
+        raise InputError(
+            file=file,
+            key=key("answer_format"),
+            found=spec["answer_format"],
+            expected=f"one of {', '.join(ANSWER_FORMATS)}",
+        )
+    if "system_prompt" in spec and not isinstance(spec["system_prompt"], str):
+        raise InputError(
+            file=file,
+            key=key("system_prompt"),
+            found=_short(spec["system_prompt"]),
+            expected="a string",
+        )
+
+
+def _short(value: Any) -> Any:
+    text = repr(value)
+    return value if len(text) <= 80 else text[:77] + "..."
