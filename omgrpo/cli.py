@@ -72,7 +72,7 @@ commands:
   export RUN OUT [--checkpoint last|best|step_N]
                          a run's checkpoint as a Hugging Face model directory (safetensors,
                          tokenizer, generation config, omgrpo_export.json) for vLLM / transformers
-  data convert SOURCE --out FILE.jsonl [--split S] [--config C]
+  data convert SOURCE --out FILE.jsonl [--split S] [--config C] [--force]
                          a local benchmark copy (file or HF datasets cache) -> question/answer rows
   data prepare --backend verl --out DIR [FILES... | toy:train|val|test] [--suite S] [KEY=VALUE...]
                          benchmark files (MATH, GSM8K, AIME, AMC) / toy splits -> verl parquet,

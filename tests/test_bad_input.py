@@ -352,3 +352,56 @@ def test_eval_refuses_bad_arguments(tmp_path, capsys, monkeypatch, args, names):
         argv = ["eval", "m", *args]
     err = refuse(argv, tmp_path, capsys, monkeypatch, with_folder)
     assert names in err
+
+
+# -- data convert: never overwrites --out unasked, never touches a file it did not create ----------
+def _convert_setup(root: Path) -> None:
+    (root / "ok.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    (root / "no_answer.jsonl").write_text(json.dumps({"question": "1+1?"}) + "\n")
+    rows = [
+        {"id": "a", "question": "q", "answer": "1"},
+        {"id": "a", "question": "r", "answer": "2"},
+    ]
+    (root / "dup.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "broken.parquet").write_bytes(b"x")
+    (root / "out.jsonl").write_text("an earlier conversion\n")
+    (root / "folder.jsonl").mkdir()
+
+
+CONVERT = [
+    ("out-exists", ["ok.jsonl", "--out", "out.jsonl"], "--out: exists; pass --force"),
+    ("out-is-source", ["ok.jsonl", "--out", "ok.jsonl"], "--out"),
+    ("out-a-folder", ["ok.jsonl", "--out", "folder.jsonl", "--force"], "folder.jsonl"),
+    ("out-csv", ["ok.jsonl", "--out", "new.csv"], "--out (found 'new.csv'"),
+    ("limit-negative", ["ok.jsonl", "--out", "new.jsonl", "--limit", "-1"], "--limit (found -1"),
+    ("limit-zero", ["ok.jsonl", "--out", "new.jsonl", "--limit", "0"], "--limit (found 0"),
+    ("no-such-file", ["nothere.jsonl", "--out", "new.jsonl"], "nothere.jsonl"),
+    ("no-such-relative", ["./nothere", "--out", "new.jsonl"], "./nothere"),
+    ("not-cached-dataset", ["nobody/nothing", "--out", "new.jsonl"], "nobody/nothing"),
+    ("no-answer-column", ["no_answer.jsonl", "--out", "new.jsonl"], "no_answer.jsonl, line 1"),
+    ("unknown-question-key", ["ok.jsonl", "--out", "n.jsonl", "--question-key", "x"], "'x'"),
+    ("duplicate-ids", ["dup.jsonl", "--out", "new.jsonl"], "duplicate id 'a'"),
+    ("broken-parquet", ["broken.parquet", "--out", "new.jsonl"], "broken.parquet"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), [r[1:] for r in CONVERT], ids=[r[0] for r in CONVERT])
+def test_data_convert_refuses(tmp_path, capsys, monkeypatch, args, names):
+    err = refuse(["data", "convert", *args], tmp_path, capsys, monkeypatch, _convert_setup)
+    assert names in err
+
+
+def test_data_convert_replaces_out_only_with_force_and_keeps_its_neighbours(
+    tmp_path, capsys, monkeypatch
+):
+    """Before: --out was overwritten unasked, and a dataset source went through a file next to
+    --out (`<out>.rows.jsonl`), overwritten and then deleted whatever it was."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.chdir(tmp_path)
+    _convert_setup(tmp_path)
+    datasets.Dataset.from_list([{"question": "2+2?", "answer": "4"}]).save_to_disk("saved")
+    (tmp_path / "out.rows.jsonl").write_text("someone else's file\n")
+    assert cli.main(["data", "convert", "saved", "--out", "out.jsonl", "--force"]) == 0
+    assert json.loads((tmp_path / "out.jsonl").read_text())["answer"] == "4"
+    assert (tmp_path / "out.rows.jsonl").read_text() == "someone else's file\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []

@@ -155,6 +155,7 @@ def data_main(argv: list[str]) -> int:
         help="gsm8k: the answer ends in '#### N' (auto detects it)",
     )
     conv.add_argument("--limit", type=int, help="first N rows only")
+    conv.add_argument("--force", action="store_true", help="replace an existing --out file")
     _add_prepare(sub)
     ns = _parse(parser, argv)
     if isinstance(ns, int):
@@ -171,6 +172,7 @@ def data_main(argv: list[str]) -> int:
             answer_key=ns.answer_key,
             answer_format=ns.answer_format,
             limit=ns.limit,
+            force=ns.force,
         )
     except (FileNotFoundError, BenchmarkDataError, ImportError, ValueError) as e:
         return _fail("omgrpo data convert", str(e))

@@ -131,19 +131,36 @@ def load_benchmark(
     return problems
 
 
+OUT_SUFFIXES = (".jsonl", ".parquet")
+
+
 def write_problems(problems: Sequence[Problem], out: str | Path) -> Path:
-    """Write `id`, `question`, `answer` rows as JSONL (`.jsonl`) or Parquet (`.parquet`)."""
+    """Write `id`, `question`, `answer` rows as JSONL (`.jsonl`) or Parquet (`.parquet`): into
+    a temporary file of its own next to `out`, then renamed over it (all or nothing)."""
+    import os
+    import tempfile
+
     out = Path(out)
+    if out.suffix not in OUT_SUFFIXES:
+        raise InputError(key="--out", found=str(out), expected="a .jsonl or .parquet file")
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [{"id": p.id, "question": p.question, "answer": p.answer} for p in problems]
-    if out.suffix == ".parquet":
-        import pandas as pd
+    fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    tmp = Path(name)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it (mkstemp: 0600)
+    try:
+        if out.suffix == ".parquet":
+            import pandas as pd
 
-        pd.DataFrame(rows).to_parquet(out, index=False)
-    elif out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    else:
-        raise ValueError(f"{out}: write .jsonl or .parquet")
+            pd.DataFrame(rows).to_parquet(tmp, index=False)
+        else:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)  # ours: removed if the rename did not happen
     return out
 
 
@@ -157,24 +174,48 @@ def convert(
     answer_key: str | None = None,
     answer_format: str = "auto",
     limit: int | None = None,
+    force: bool = False,
 ) -> tuple[Path, int]:
-    """Convert a local benchmark copy into `id`/`question`/`answer` rows.
+    """Convert a local benchmark copy into `id`/`question`/`answer` rows. An existing `out` is
+    refused unless `force` (then replaced all at once); nothing else is written or deleted.
 
     `source` is a data file (.jsonl/.json/.parquet), a directory written by
     `Dataset.save_to_disk`, or a dataset name that is already in the local `datasets` cache
     (read with `HF_DATASETS_OFFLINE=1`; nothing is downloaded). Returns (path, rows)."""
-    src = Path(source)
+    import tempfile
+
+    src, out = Path(source), Path(out)
+    check_int(limit, "--limit", minimum=1, allow_none=True)
+    if out.suffix not in OUT_SUFFIXES:
+        raise InputError(key="--out", found=str(out), expected="a .jsonl or .parquet file")
+    if out.is_dir():
+        raise InputError("a directory", key="--out", found=str(out), expected="a file name")
+    if out.exists() and not force:
+        raise InputError(
+            "exists; pass --force to replace it", key="--out", found=str(out)
+        )  # before: overwritten without asking
+    if src.exists() and out.exists() and src.resolve() == out.resolve():
+        raise InputError("--out is the source file", key="--out", found=str(out))
     if src.is_file():
         problems = load_benchmark(src, question_key, answer_key, answer_format, limit=limit)
         return write_problems(problems, out), len(problems)
+    looks_like_a_path = (
+        src.suffix in {".jsonl", ".json", ".parquet"}
+        or str(source).startswith((".", "/", "~"))
+        or str(source).count("/") > 1
+    )  # else a dataset name (org/name), looked up in the local cache
+    if not src.exists() and looks_like_a_path:
+        raise FileNotFoundError(f"{source}: no such file or directory")
     rows = _dataset_rows(str(source), split, config)
-    tmp = Path(out).with_suffix(".rows.jsonl")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
-    try:
-        problems = load_benchmark(tmp, question_key, answer_key, answer_format, limit=limit)
-    finally:
-        tmp.unlink()
+    # the rows go through the file loader from a temporary folder of our own (before: a file
+    # next to --out, overwritten and then deleted whatever it was)
+    with tempfile.TemporaryDirectory(prefix="omgrpo-convert-") as scratch:
+        tmp = Path(scratch) / "rows.jsonl"
+        tmp.write_text("".join(json.dumps(r, default=str) + "\n" for r in rows))
+        try:
+            problems = load_benchmark(tmp, question_key, answer_key, answer_format, limit=limit)
+        except BenchmarkDataError as e:  # name the source, not the scratch file
+            raise BenchmarkDataError(str(e).replace(str(tmp), str(source))) from e
     return write_problems(problems, out), len(problems)
 
 
@@ -192,7 +233,17 @@ def _dataset_rows(source: str, split: str | None, config: str | None) -> list[di
     if Path(source).is_dir():  # written by save_to_disk (a Dataset or a DatasetDict)
         data = datasets.load_from_disk(source)
     else:
-        data = datasets.load_dataset(source, config, split=split)
+        try:
+            data = datasets.load_dataset(source, config, split=split)
+        except (ConnectionError, OSError) as e:  # offline: not in the local cache
+            raise InputError(
+                "not a file, and not a dataset in the local Hugging Face cache (nothing is "
+                f"downloaded: {type(e).__name__})",
+                key="SOURCE",
+                found=source,
+                expected="a .jsonl / .json / .parquet file, a save_to_disk folder, or a cached "
+                "dataset name",
+            ) from e
     if isinstance(data, datasets.DatasetDict):
         if split is None:
             raise ValueError(f"{source}: has splits {list(data)}; choose one with --split")
