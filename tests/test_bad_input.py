@@ -405,3 +405,92 @@ def test_data_convert_replaces_out_only_with_force_and_keeps_its_neighbours(
     assert json.loads((tmp_path / "out.jsonl").read_text())["answer"] == "4"
     assert (tmp_path / "out.rows.jsonl").read_text() == "someone else's file\n"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+# -- tables: a corrupt or partial summary is named, never skipped ----------------------------------
+def _eval_summary(root: Path, seed: int, text: str | None = None, entry: dict | None = None):
+    run = root / "runs" / f"main_table__om_grpo__s{seed}"
+    (run / "eval" / "toy").mkdir(parents=True)
+    summary = {
+        "suite": "toy",
+        "target": str(run),
+        "run": {"name": run.name, "experiment": "main_table", "variant": "om_grpo", "seed": seed},
+        "checkpoint": {"name": "last", "step": 40},
+        "benchmarks": {
+            "toy_test": entry
+            or {
+                "k": 4,
+                "metrics": {"avg@4": 0.5, "pass@4": 0.8},
+                "ci95": {"avg@4": [0.4, 0.6], "pass@4": [0.7, 0.9]},
+            }
+        },
+    }
+    full = json.dumps(summary)
+    data = full if text is None else text(full)
+    path = run / "eval" / "toy" / "summary.json"
+    path.write_bytes(data if isinstance(data, bytes) else data.encode())
+
+
+def _two_seeds(text=None, entry=None):
+    def setup(root: Path) -> None:
+        _eval_summary(root, 0)
+        _eval_summary(root, 1, text=text, entry=entry)
+        (root / "other.json").write_text('{"a": 1}')
+
+    return setup
+
+
+TABLES = [
+    (
+        "truncated-summary",
+        ["runs"],
+        _two_seeds(text=lambda t: t[: len(t) // 2]),
+        "s1/eval/toy/summary.json: unreadable",
+    ),
+    (
+        "empty-summary",
+        ["runs"],
+        _two_seeds(text=lambda t: ""),
+        "s1/eval/toy/summary.json: unreadable",
+    ),
+    ("not-utf8-summary", ["runs"], _two_seeds(text=lambda t: b"\xff\xfe{"), "summary.json"),
+    (
+        "entry-without-k",
+        ["runs"],
+        _two_seeds(entry={"metrics": {}, "ci95": {}}),
+        "benchmarks.toy_test",
+    ),
+    (
+        "entry-k-text",
+        ["runs"],
+        _two_seeds(entry={"k": "four", "metrics": {}, "ci95": {}}),
+        "benchmarks.toy_test",
+    ),
+    (
+        "entry-wrong-k",
+        ["runs"],
+        _two_seeds(entry={"k": 8, "metrics": {"avg@4": 1}, "ci95": {}}),
+        "benchmarks.toy_test",
+    ),
+    (
+        "a-file-that-is-not-a-summary",
+        ["other.json"],
+        _two_seeds(),
+        "other.json: not an `omgrpo eval` summary",
+    ),
+    ("no-such-source", ["nothere"], _two_seeds(), "nothere"),
+    (
+        "no-summary-at-all",
+        ["."],
+        lambda root: (root / "x.txt").write_text("x"),
+        "no `omgrpo eval` summary",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "setup", "names"), [r[1:] for r in TABLES], ids=[r[0] for r in TABLES]
+)
+def test_tables_refuses(tmp_path, capsys, monkeypatch, args, setup, names):
+    err = refuse(["tables", *args, "--out", "tables"], tmp_path, capsys, monkeypatch, setup)
+    assert names in err

@@ -28,6 +28,7 @@ import pandas as pd
 from omgrpo.analysis.load import aggregate_seeds
 from omgrpo.analysis.provenance import provenance_lines
 from omgrpo.analysis.tables import markdown_table
+from omgrpo.errors import InputError
 from omgrpo.tracking.store import RunStore
 
 LABELS = {
@@ -105,14 +106,25 @@ def find_summaries(*sources: str | Path) -> list[Path]:
         for p in candidates:
             if _is_eval_summary(p):
                 found.append(p.resolve())
+            elif path.is_file():  # named on the command line: never skipped silently
+                raise InputError(
+                    "not an `omgrpo eval` summary",
+                    file=p,
+                    expected="keys suite, benchmarks, checkpoint",
+                )
     return sorted(set(found))
 
 
 def _is_eval_summary(path: Path) -> bool:
+    """Whether `path` is an eval summary; a summary.json that does not parse (truncated, a
+    run killed while writing it) is named (InputError), never skipped: skipping it dropped
+    that seed from the tables without a word."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InputError(
+            f"unreadable ({e}); evaluate again (`omgrpo eval`) or remove it", file=path
+        ) from e
     return isinstance(data, dict) and {"suite", "benchmarks", "checkpoint"} <= set(data)
 
 
@@ -123,9 +135,24 @@ def load_evals(*sources: str | Path) -> pd.DataFrame:
     for path in find_summaries(*sources):
         data = json.loads(path.read_text())
         run = data.get("run") or {}
+        if not isinstance(run, dict) or not isinstance(data["benchmarks"], dict):
+            raise InputError("malformed summary", file=path, key="run / benchmarks")
+        if not isinstance(data["checkpoint"], dict) or "name" not in data["checkpoint"]:
+            raise InputError("malformed summary", file=path, key="checkpoint")
         for bench, entry in data["benchmarks"].items():
-            k = int(entry["k"])
-            metrics, ci = entry["metrics"], entry["ci95"]
+            try:
+                k = int(entry["k"])
+                metrics, ci = entry["metrics"], entry["ci95"]
+                for name in (f"avg@{k}", f"pass@{k}"):
+                    if name not in metrics or name not in ci:
+                        raise KeyError(name)
+            except (KeyError, TypeError, ValueError) as e:
+                raise InputError(
+                    f"malformed entry ({type(e).__name__}: {e})",
+                    file=path,
+                    key=f"benchmarks.{bench}",
+                    expected="k, metrics and ci95 with avg@k and pass@k",
+                ) from e
             rows.append(
                 {
                     "summary": str(path),
