@@ -56,17 +56,7 @@ def eval_main(argv: list[str]) -> int:
     if ns.out and len(ns.targets) > 1:
         return _fail("omgrpo eval", "--out takes one target")
     try:
-        check_int(ns.batch_size, "--batch-size", minimum=1)
-        check_int(ns.threads, "--threads", minimum=1, allow_none=True)
-        check_int(ns.tensor_parallel_size, "--tensor-parallel-size", minimum=1, allow_none=True)
-        check_number(
-            ns.gpu_memory_utilization,
-            "--gpu-memory-utilization",
-            minimum=0,
-            maximum=1,
-            exclusive_minimum=True,
-            allow_none=True,
-        )
+        _check_eval_flags(ns)
     except InputError as e:
         return _fail("omgrpo eval", str(e))
     if ns.threads:
@@ -101,6 +91,21 @@ def eval_main(argv: list[str]) -> int:
     ) as e:
         return _fail("omgrpo eval", str(e))
     return 0
+
+
+def _check_eval_flags(ns: argparse.Namespace) -> None:
+    """`omgrpo eval`'s numeric flags within their ranges (InputError naming the flag)."""
+    check_int(ns.batch_size, "--batch-size", minimum=1)
+    check_int(ns.threads, "--threads", minimum=1, allow_none=True)
+    check_int(ns.tensor_parallel_size, "--tensor-parallel-size", minimum=1, allow_none=True)
+    check_number(
+        ns.gpu_memory_utilization,
+        "--gpu-memory-utilization",
+        minimum=0,
+        maximum=1,
+        exclusive_minimum=True,
+        allow_none=True,
+    )
 
 
 def export_main(argv: list[str]) -> int:

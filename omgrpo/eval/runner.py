@@ -311,24 +311,9 @@ def evaluate(
     """Evaluate a run's checkpoint (or a model directory) on every benchmark of `suite` (None:
     the run's own, `default_suite_name`); returns the evaluation directory (with summary.json).
     `tensor_parallel_size` / `gpu_memory_utilization` go to `vllm.LLM` (None: vLLM's default)."""
-    llm_kwargs = {
-        k: v
-        for k, v in (
-            ("tensor_parallel_size", tensor_parallel_size),
-            ("gpu_memory_utilization", gpu_memory_utilization),
-        )
-        if v is not None
-    }
-    if llm_kwargs and backend != "vllm":
-        raise ValueError("--tensor-parallel-size / --gpu-memory-utilization need --backend vllm")
+    llm_kwargs = _vllm_kwargs(backend, tensor_parallel_size, gpu_memory_utilization)
     target = resolve_target(target_path)
-    if suite is None:
-        suite = load_suite(default_suite_name(target.run_config))
-    if not suite.benchmarks:  # an empty suite would overwrite a summary with nothing
-        raise InputError(f"suite '{suite.name}' has no benchmarks")
-    names = [spec.name for spec in suite.benchmarks]
-    for name in names:  # file names in the output folder: never outside it
-        inside(".", name, f"suite '{suite.name}': benchmark name")
+    suite = _checked_suite(suite, target)
     choice = _checkpoint_choice(target, suite, checkpoint, select_metric, select_split)
     out_dir = eval_dir(target, suite, checkpoint, out)
     version = grader_version()
@@ -382,6 +367,33 @@ def evaluate(
     if track and target.is_run:
         log_to_trackers(target, out_dir, summary, say)
     return out_dir
+
+
+def _vllm_kwargs(backend: str, tensor_parallel_size, gpu_memory_utilization) -> dict:
+    """The `vllm.LLM` settings given (None: vLLM's default); refused without vLLM."""
+    llm_kwargs = {
+        k: v
+        for k, v in (
+            ("tensor_parallel_size", tensor_parallel_size),
+            ("gpu_memory_utilization", gpu_memory_utilization),
+        )
+        if v is not None
+    }
+    if llm_kwargs and backend != "vllm":
+        raise ValueError("--tensor-parallel-size / --gpu-memory-utilization need --backend vllm")
+    return llm_kwargs
+
+
+def _checked_suite(suite: Suite | None, target: Target) -> Suite:
+    """The suite to run (None: the run's own), refused when empty or when a benchmark's name
+    would leave the output folder."""
+    if suite is None:
+        suite = load_suite(default_suite_name(target.run_config))
+    if not suite.benchmarks:  # an empty suite would overwrite a summary with nothing
+        raise InputError(f"suite '{suite.name}' has no benchmarks")
+    for spec in suite.benchmarks:  # file names in the output folder: never outside it
+        inside(".", spec.name, f"suite '{suite.name}': benchmark name")
+    return suite
 
 
 def _checkpoint_choice(

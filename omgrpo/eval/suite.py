@@ -104,27 +104,7 @@ def load_suite(name_or_path: str) -> Suite:
     path = Path(name_or_path)
     if path.suffix not in {".yaml", ".yml"}:
         return builtin_suite(name_or_path)
-    if not path.exists():
-        raise InputError("suite file not found", file=path)
-    if not path.is_file():
-        raise InputError("not a file", file=path, expected="a suite YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except UnicodeDecodeError as e:
-        raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise InputError(f"not valid YAML: {problem}", file=path, row=where) from e
-    expected = "a mapping with 'benchmarks: {name: {path: ..., k: ...}}'"
-    if not isinstance(data, dict):
-        raise InputError("not a suite", file=path, found=_short(data), expected=expected)
-    unknown = sorted(set(data) - {"name", "defaults", "benchmarks"}, key=str)
-    if unknown:
-        raise InputError(
-            f"unknown top-level key(s) {unknown}", file=path, expected="name, defaults, benchmarks"
-        )
+    data = _read_suite_file(path)
     benchmarks_node = data.get("benchmarks")
     if not isinstance(benchmarks_node, dict) or not benchmarks_node:
         raise InputError(
@@ -152,35 +132,69 @@ def load_suite(name_or_path: str) -> Suite:
             key="defaults",
             expected=f"some of {sorted(fields)}",
         )
-    benchmarks = []
-    for bench, spec in benchmarks_node.items():
-        if not isinstance(bench, str):
-            raise InputError(
-                "a benchmark name must be a string", file=path, key="benchmarks", found=bench
-            )
-        inside(".", bench, f"benchmarks.{bench}", file=path)
-        if spec is not None and not isinstance(spec, dict):
-            raise InputError(
-                file=path,
-                key=f"benchmarks.{bench}",
-                found=_short(spec),
-                expected="a mapping {path, k, ...}",
-            )
-        merged = {**defaults, **(spec or {})}
-        unknown = sorted(set(merged) - fields, key=str)
-        if unknown:
-            raise InputError(
-                f"unknown key(s) {unknown}",
-                file=path,
-                key=f"benchmarks.{bench}",
-                expected=f"some of {sorted(fields)}",
-            )
-        for required in ("path", "k"):
-            if required not in merged:
-                raise InputError("missing", file=path, key=f"benchmarks.{bench}.{required}")
-        _check_fields(merged, f"benchmarks.{bench}", path)
-        benchmarks.append(BenchmarkSpec(name=bench, **merged))
+    benchmarks = [
+        _benchmark_spec(bench, spec, defaults, fields, path)
+        for bench, spec in benchmarks_node.items()
+    ]
     return Suite(name, benchmarks)
+
+
+def _read_suite_file(path: Path) -> dict:
+    """A suite file's YAML as a mapping of the known top-level keys (InputError otherwise)."""
+    if not path.exists():
+        raise InputError("suite file not found", file=path)
+    if not path.is_file():
+        raise InputError("not a file", file=path, expected="a suite YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise InputError(f"not valid YAML: {problem}", file=path, row=where) from e
+    expected = "a mapping with 'benchmarks: {name: {path: ..., k: ...}}'"
+    if not isinstance(data, dict):
+        raise InputError("not a suite", file=path, found=_short(data), expected=expected)
+    unknown = sorted(set(data) - {"name", "defaults", "benchmarks"}, key=str)
+    if unknown:
+        raise InputError(
+            f"unknown top-level key(s) {unknown}", file=path, expected="name, defaults, benchmarks"
+        )
+    return data
+
+
+def _benchmark_spec(
+    bench: Any, spec: Any, defaults: dict, fields: set, path: Path
+) -> BenchmarkSpec:
+    """One `benchmarks.<bench>` entry over the suite's defaults, checked (InputError)."""
+    if not isinstance(bench, str):
+        raise InputError(
+            "a benchmark name must be a string", file=path, key="benchmarks", found=bench
+        )
+    inside(".", bench, f"benchmarks.{bench}", file=path)
+    if spec is not None and not isinstance(spec, dict):
+        raise InputError(
+            file=path,
+            key=f"benchmarks.{bench}",
+            found=_short(spec),
+            expected="a mapping {path, k, ...}",
+        )
+    merged = {**defaults, **(spec or {})}
+    unknown = sorted(set(merged) - fields, key=str)
+    if unknown:
+        raise InputError(
+            f"unknown key(s) {unknown}",
+            file=path,
+            key=f"benchmarks.{bench}",
+            expected=f"some of {sorted(fields)}",
+        )
+    for required in ("path", "k"):
+        if required not in merged:
+            raise InputError("missing", file=path, key=f"benchmarks.{bench}.{required}")
+    _check_fields(merged, f"benchmarks.{bench}", path)
+    return BenchmarkSpec(name=bench, **merged)
 
 
 def _check_fields(spec: dict[str, Any], prefix: str, file: Path) -> None:
