@@ -62,10 +62,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _rss_kib(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
+    """A /proc/self/status figure in KiB (`omgrpo bench memory`'s reader)."""
+    from omgrpo.tools.memory_bench import _status_kib
+
+    return _status_kib(key)
 
 
 class Peak:

@@ -37,6 +37,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -280,18 +281,12 @@ def device_bandwidth(device: torch.device) -> tuple[float, str]:
     for _ in range(5):
         if device.type == "cuda":
             torch.cuda.synchronize()
-        start = _now()
+        start = time.perf_counter()
         y.copy_(x)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        seconds.append(_now() - start)
+        seconds.append(time.perf_counter() - start)
     return 2 * x.numel() / min(seconds), "measured copy"
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 @contextlib.contextmanager
