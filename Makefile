@@ -24,7 +24,7 @@ export MPLBACKEND ?= Agg
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup setup-gpu lock test test-fast durations lint format demo study study-v2 study-v3 calibration clean bench-env
+.PHONY: setup setup-gpu lock test test-fast durations lint format demo study study-v2 study-v3 study-v4 calibration clean bench-env
 
 # setup: everything `make test` needs (dev tools, the verl extra); the demo needs only the
 # package itself, so `make demo` on a fresh machine skips the dev and verl installs.
@@ -194,6 +194,7 @@ STUDY2_COPY ?= $(STUDY2_REPORT)/runs
 STUDY2_SWEEPS ?= sweeps/collapse_study_v2
 STUDY2_PREREG ?= $(STUDY2_REPORT)/PREREGISTRATION-v2.md
 STUDY2_TARGET ?= study-v2
+STUDY2_EXPECT ?=
 STUDY2_ARGS = --jobs 2 run.root=$(STUDY2_RUNS) trainer.threads=1
 
 study-v2: $(VENV)/.installed-base
@@ -211,6 +212,9 @@ study-v2: $(VENV)/.installed-base
 	    $(OMGRPO) sweep $(STUDY2_SWEEPS)_$$part.yaml $(STUDY2_ARGS) seed=$$seed || exit 1; copy; done;; \
 	  *) echo "unknown STUDY2_PARTS entry '$$part' (central secondary worlds)"; exit 2;; \
 	esac; done; \
+	done_runs=$$(ls -d $(STUDY2_COPY)/*__*__s* 2>/dev/null | wc -l); \
+	if [ -n "$(STUDY2_EXPECT)" ] && [ $$done_runs -lt $(STUDY2_EXPECT) ]; then \
+	  echo "$$done_runs of $(STUDY2_EXPECT) runs finished in $(STUDY2_COPY): no report until all are in"; exit 0; fi; \
 	$(OMGRPO) study-report $(STUDY2_RUNS) --prereg $(STUDY2_PREREG) --out $(STUDY2_REPORT) \
 	  --command "make $(STUDY2_TARGET) STUDY2_SEEDS='$(STUDY2_SEEDS)' STUDY2_PARTS='$(STUDY2_PARTS)'" --seconds $$(( $$(date +%s) - start ))
 
@@ -221,6 +225,18 @@ study-v3:
 	$(MAKE) study-v2 STUDY2_TARGET=study-v3 STUDY2_SWEEPS=sweeps/collapse_study_v3 \
 	  STUDY2_SEEDS="7 8 9 10 11 12" STUDY2_PARTS=central STUDY2_RUNS=runs/collapse-study-v3 \
 	  STUDY2_REPORT=reports/collapse-study-v3 STUDY2_PREREG=reports/collapse-study-v3/PREREGISTRATION-v3.md
+
+# The collapse study v4 (reports/collapse-study-v4/PREREGISTRATION-v4.md): v3's central grid over
+# 450 steps on 6 fresh units (seeds 13-15 x both bases) and the three generic-mask arms on seeds
+# 13-15 of the shipped base; the same recipe, resumable from reports/collapse-study-v4/runs. The
+# report is written only once all 45 runs are in (before that it prints the count), e.g.
+#   make study-v4 STUDY4_PARTS=central
+STUDY4_PARTS ?= central secondary
+study-v4:
+	$(MAKE) study-v2 STUDY2_TARGET=study-v4 STUDY2_SWEEPS=sweeps/collapse_study_v4 \
+	  STUDY2_SEEDS="13 14 15" STUDY2_SECONDARY_SEEDS="13 14 15" STUDY2_PARTS="$(STUDY4_PARTS)" \
+	  STUDY2_RUNS=runs/collapse-study-v4 STUDY2_REPORT=reports/collapse-study-v4 STUDY2_EXPECT=45 \
+	  STUDY2_PREREG=reports/collapse-study-v4/PREREGISTRATION-v4.md
 
 clean:
 	rm -rf $(VENV) runs .cache .pytest_cache .ruff_cache

@@ -31,6 +31,8 @@ EXPECTED_RUNS = {
     "collapse_study_v2_worlds": 2 * 4 * 1,
     # the v3 study (make study-v3): v2's central 6 arms per seed
     "collapse_study_v3_central": 6 * 1,
+    # the v4 study (make study-v4): v3's central 6 arms per seed over 450 steps
+    "collapse_study_v4_central": 6 * 1,
 }
 
 
@@ -95,7 +97,7 @@ def test_sweeps_never_share_a_run_directory(plans):
     collide, or a W&B agent's second run of a name would find the first one's directory. The
     demo, the pre-registered study, its v2 calibration and v2 keep their runs (and report
     input) apart in runs/collapse-demo, runs/collapse-study, runs/collapse-calibration,
-    runs/collapse-study-v2 and runs/collapse-study-v3."""
+    runs/collapse-study-v2, runs/collapse-study-v3 and runs/collapse-study-v4."""
     names = [str(r.root / r.name) for runs in plans.values() for r in runs]
     assert len(names) == len(set(names)) == sum(EXPECTED_RUNS.values())
     roots = {name: {str(r.root) for r in runs} for name, runs in plans.items()}
@@ -104,6 +106,7 @@ def test_sweeps_never_share_a_run_directory(plans):
         assert roots.pop(f"collapse_study_{part}") == {"runs/collapse-study"}
         assert roots.pop(f"collapse_study_v2_{part}") == {"runs/collapse-study-v2"}
     assert roots.pop("collapse_study_v3_central") == {"runs/collapse-study-v3"}
+    assert roots.pop("collapse_study_v4_central") == {"runs/collapse-study-v4"}
     assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (appendix) beside their own MV
     assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
@@ -410,3 +413,25 @@ def test_the_v3_study_is_v2s_central_grid_with_16_validation_samples():
         differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
         assert differ == {"seed", "eval.k", "run.root", "run.name"}, differ
         assert (a["eval.k"], b["eval.k"], a["seed"]) == (16, 4, 7)
+
+
+@pytest.mark.slow
+def test_the_v4_study_is_v3s_central_grid_over_450_steps():
+    """PREREGISTRATION-v4 changes the horizon of v3's central grid (450 steps, the same 8
+    warm-up steps, the mechanism probe every 30 steps) and its units' seeds; the arms, world,
+    base and training are v3's."""
+    from omgrpo.backends.native.checkpoint import flatten
+    from omgrpo.config import compose, to_container
+
+    v3 = expand_grid(load_sweep(SWEEPS / "collapse_study_v3_central.yaml"))
+    v4 = expand_grid(load_sweep(SWEEPS / "collapse_study_v4_central.yaml"))
+    assert len(v4) == len(v3) == 6
+    allowed = {"seed", "trainer.steps", "optim.warmup_ratio", "diagnostics.mechanism_every"}
+    for new, old in zip(v4, v3, strict=True):
+        a = flatten(to_container(compose(new)))
+        b = flatten(to_container(compose(old)))
+        differ = {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+        assert differ == allowed | {"run.root", "run.name"}, differ
+        assert (a["trainer.steps"], a["seed"], a["diagnostics.mechanism_every"]) == (450, 13, 30)
+        # v3's warm-up steps, kept: round(0.05 * 150) == round(0.0178 * 450) == 8
+        assert round(a["optim.warmup_ratio"] * 450) == round(b["optim.warmup_ratio"] * 150) == 8
