@@ -14,7 +14,8 @@ import sys
 USAGE = """usage: omgrpo [--debug] <command> [args]
 
 Bad input is refused with `omgrpo <command>: error: ...` and exit status 2 (the traceback only
-with --debug or OMGRPO_DEBUG=1); any other failure prints its traceback: a bug to report.
+with --debug, before or after the command, or OMGRPO_DEBUG=1); any other failure prints its
+traceback: a bug to report.
 
 commands:
   train [overrides...]   train (default: OM-GRPO on the toy world, CPU). Examples:
@@ -95,19 +96,33 @@ commands:
 def main(argv: list[str] | None = None) -> int:
     """Run a verb. Bad input (`omgrpo.errors.InputError`, a missing or existing file, a file
     that does not parse, a config that does not compose) is printed as `omgrpo <verb>: error:
-    ...` and exits 2; its traceback only with `--debug` (before the verb) or OMGRPO_DEBUG=1.
-    Any other exception is a bug: its traceback, and a line asking to report it."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    while argv and argv[0] == "--debug":
-        argv.pop(0)
-        os.environ["OMGRPO_DEBUG"] = "1"
+    ...` and exits 2; its traceback only with `--debug` (before or after the verb) or
+    OMGRPO_DEBUG=1. Any other exception is a bug: its traceback, and a line asking to report
+    it."""
+    argv, debug = take_debug(list(sys.argv[1:] if argv is None else argv))
     verb = _verb_name(argv)
+    before = os.environ.get("OMGRPO_DEBUG")
+    if debug:  # read by omgrpo.errors.debug_enabled, and by the processes a verb starts
+        os.environ["OMGRPO_DEBUG"] = "1"
     try:
         return _dispatch(argv)
     except KeyboardInterrupt:
         raise
     except Exception as e:  # the one place that reports every failure
         return report_failure(verb, e)
+    finally:
+        if debug and before is None:
+            os.environ.pop("OMGRPO_DEBUG", None)
+        elif debug:
+            os.environ["OMGRPO_DEBUG"] = before
+
+
+def take_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """`argv` without its `--debug` flags (anywhere before a `--`, so `omgrpo eval RUN --debug`
+    works as `omgrpo --debug eval RUN`), and whether there was one."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:cut] if a != "--debug"]
+    return head + argv[cut:], len(head) < cut
 
 
 def _verb_name(argv: list[str]) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,18 +95,44 @@ def test_an_unexpected_exception_keeps_its_traceback_and_says_it_is_a_bug(capsys
     assert "omgrpo tables: internal error (ZeroDivisionError): this is a bug in omgrpo" in err
 
 
-@pytest.mark.parametrize("how", ["flag", "env"])
-def test_debug_shows_the_traceback_of_an_expected_error(tmp_path, capsys, monkeypatch, how):
+@pytest.mark.parametrize("how", ["flag-before-verb", "flag-after-verb", "flag-last", "env"])
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["plan", "model.path=m", "--device-gb", "nan"], "omgrpo plan: error: --device-gb"),
+        (["eval", "m", "--suite", "nothere.yaml"], "omgrpo eval: error: nothere.yaml"),
+        (["data", "convert", "no.jsonl", "--out", "o.jsonl"], "omgrpo data convert: error: no"),
+        (["tables", "nothere", "--out", "t"], "omgrpo tables: error: nothere"),
+    ],
+    ids=["plan", "eval", "data-convert", "tables"],
+)
+def test_debug_shows_the_traceback_of_an_expected_error(
+    tmp_path, capsys, monkeypatch, how, args, names
+):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("OMGRPO_DEBUG", raising=False)
-    args = ["plan", "model.path=m", "--device-gb", "nan"]
-    if how == "flag":
+    plain = list(args)
+    if how == "flag-before-verb":
         args = ["--debug", *args]
+    elif how == "flag-after-verb":
+        args = [*args[:1], "--debug", *args[1:]]
+    elif how == "flag-last":
+        args = [*args, "--debug"]
     else:
         monkeypatch.setenv("OMGRPO_DEBUG", "1")
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert "Traceback" in err and "omgrpo plan: error: --device-gb" in err
+    assert "Traceback" in err and names in err
+    if how != "env":  # the flag lasts for its command only
+        assert "OMGRPO_DEBUG" not in os.environ
+        assert cli.main(plain) == 2
+        assert "Traceback" not in capsys.readouterr().err
+
+
+def test_take_debug_leaves_what_follows_a_double_dash():
+    assert cli.take_debug(["eval", "--debug", "m"]) == (["eval", "m"], True)
+    assert cli.take_debug(["eval", "m"]) == (["eval", "m"], False)
+    assert cli.take_debug(["x", "--", "--debug"]) == (["x", "--", "--debug"], False)
 
 
 # -- plan -------------------------------------------------------------------------------------------
