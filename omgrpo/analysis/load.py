@@ -522,13 +522,15 @@ def aggregate_seeds(
 
 
 # -- collapse verdict --------------------------------------------------------------------------
-def collapse_step(run_df: pd.DataFrame) -> int | None:
+def collapse_step(
+    run_df: pd.DataFrame, thresholds: Mapping[str, float] | None = None
+) -> int | None:
     """The step at which the run collapsed, or None.
 
     `collapse/detected_step` when the trainer logged it; else `omgrpo.core.diagnostics.
     CollapseDetector` replayed over the logged `answers/unique_per_prompt` and
     `answers/batch_mode_share` (thresholds from the run's `cfg.collapse.*`, default 1.5 / 0.5
-    / patience 3)."""
+    / patience 3; `thresholds`, e.g. a pre-registration's, replace them key by key)."""
     if "collapse/detected_step" in run_df.columns:
         logged = pd.to_numeric(run_df["collapse/detected_step"], errors="coerce").dropna()
         if len(logged):
@@ -542,6 +544,8 @@ def collapse_step(run_df: pd.DataFrame) -> int | None:
         value = (
             run_df[col].dropna().iloc[0] if col in run_df and run_df[col].notna().any() else None
         )
+        if thresholds is not None and thresholds.get(key) is not None:
+            value = thresholds[key]
         params[key] = type(default)(value) if value is not None else default
     detector = CollapseDetector(
         params["max_unique_per_prompt"], params["min_mode_share"], params["patience"]
