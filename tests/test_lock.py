@@ -86,8 +86,13 @@ def test_pyprojects_ranges_admit_every_locked_version():
 
 def test_makefile_installs_under_the_lock_and_torch_from_lock_in():
     makefile = (REPO / "Makefile").read_text()
-    installs = [line for line in makefile.splitlines() if "pip install -q -e" in line]
-    assert installs and all("-c $(LOCK)" in line for line in installs), installs
+    # every editable install (through uv, falling back to pip: the INSTALL function) is
+    # constrained by the lock, and uv itself is the lock's pin
+    installs = [line for line in makefile.splitlines() if "$(INSTALL) -e" in line]
+    assert len(installs) == 2 and all("-c $(LOCK)" in line for line in installs), installs
+    assert "INSTALL = install() { $(VENV)/bin/uv pip install" in makefile
+    assert '|| $(PY) -m pip install -q "$$@"; }; install' in makefile
+    assert """pip install -q "$$(grep '^uv==' $(LOCK))\"""" in makefile
     assert (
         "LOCK := constraints/lock.txt" in makefile
         and "LOCK_EXTRAS := " + " ".join(EXTRAS) in makefile
