@@ -61,6 +61,11 @@ class InputError(ValueError):
         return text
 
 
+class MissingDependency(InputError, ImportError):
+    """An optional package a command needs is not installed (vLLM, datasets): said with the
+    install line; still an ImportError for callers that catch one."""
+
+
 def debug_enabled() -> bool:
     """`--debug` (set by the CLI) or OMGRPO_DEBUG=1: expected errors show their traceback."""
     return os.environ.get("OMGRPO_DEBUG", "").strip().lower() not in {"", "0", "false", "no"}
@@ -79,7 +84,7 @@ def short_message(e: BaseException) -> str:
         return [ln for ln in out if ln.strip() and not ln.strip().startswith(_OMEGACONF_DETAIL)]
 
     message = "\n".join(lines(e)) or type(e).__name__
-    cause = e.__cause__
+    cause = None if isinstance(e, InputError) else e.__cause__  # an InputError says it all
     why = lines(cause) if cause is not None else []
     if why and why[0] not in message:
         message = f"{message}: {why[0]}"
@@ -163,3 +168,54 @@ def inside(base: str | Path, name: str, what: str, *, file: str | Path | None = 
             file=file,
         )
     return Path(base) / name
+
+
+# -- reading input files, each error naming the file --------------------------------------------
+def read_text(path: str | Path, what: str = "a text file") -> str:
+    """A file's text, refused by name (InputError) when it is missing, a folder or not UTF-8."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError("not found", file=path, expected=what)
+    if not path.is_file():
+        raise InputError("not a file", file=path, expected=what)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
+
+
+def read_yaml(path: str | Path, what: str = "a YAML file") -> Any:
+    """A YAML file's data; a file that does not parse is named with the line and column."""
+    import yaml
+
+    text = read_text(path, what)
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise InputError(f"not valid YAML: {problem}", file=path, row=where) from e
+
+
+def read_json(path: str | Path, what: str = "a JSON file") -> Any:
+    """A JSON file's data; a file that does not parse (empty, truncated) is named with the line
+    and column."""
+    import json
+
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"line {e.lineno}, column {e.colno}"
+        raise InputError(f"not valid JSON: {e.msg}", file=path, row=where) from e
+
+
+def read_mapping(path: str | Path, what: str) -> dict:
+    """A YAML (or JSON: .json) file that must hold a mapping, e.g. a run's config.yaml."""
+    path = Path(path)
+    data = read_json(path, what) if path.suffix == ".json" else read_yaml(path, what)
+    if not isinstance(data, dict):
+        found = data if not isinstance(data, (list, str)) or len(data) < 60 else type(data)
+        raise InputError("not a mapping", file=path, found=found, expected=what)
+    return data

@@ -5,6 +5,7 @@ after). Fast: no row trains or loads a model."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -520,4 +521,221 @@ TABLES = [
 )
 def test_tables_refuses(tmp_path, capsys, monkeypatch, args, setup, names):
     err = refuse(["tables", *args, "--out", "tables"], tmp_path, capsys, monkeypatch, setup)
+    assert names in err
+
+
+# -- export: a damaged run or checkpoint is named; nothing is written -----------------------------
+MANIFEST_OK = json.dumps({"step": 1, "sha256": {"state.pt": "0" * 64}})
+
+
+@functools.cache
+def _default_run_config() -> str:
+    return yaml.safe_dump(to_container(compose(["run.root=.", "run.name=r"])))
+
+
+def _export_setup(
+    config: str | bytes | None = "default",
+    checkpoints: dict[str, dict[str, str | bytes]] | None = None,
+):
+    """run r/ (config.yaml: the default config unless given), its checkpoints (folder -> files),
+    a folder full/ with a file in it, and a file afile."""
+
+    def setup(root: Path) -> None:
+        run = root / "r"
+        run.mkdir()
+        text = _default_run_config() if config == "default" else config
+        if text is not None:
+            (run / "config.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+        for name, files in (checkpoints or {}).items():
+            folder = run / "checkpoints" / name
+            folder.mkdir(parents=True)
+            for file, data in files.items():
+                (folder / file).write_bytes(data if isinstance(data, bytes) else data.encode())
+        (root / "full").mkdir()
+        (root / "full" / "x").write_text("x")
+        (root / "afile").write_text("x")
+
+    return setup
+
+
+def _ckpt(**files) -> dict[str, dict[str, str | bytes]]:
+    base = {"COMPLETE": "1", "state.pt": b"junk", "manifest.json": MANIFEST_OK}
+    return {"step_000001": {k: v for k, v in {**base, **files}.items() if v is not None}}
+
+
+EXPORT = [
+    ("no-such-run", ["nope", "out"], _export_setup(), "nope: not a run directory"),
+    ("run-a-file", ["afile", "out"], _export_setup(), "afile: not a run directory"),
+    ("no-config", ["r", "out"], _export_setup(config=None), "r: not a run directory"),
+    ("config-empty", ["r", "out"], _export_setup(config=""), "r/config.yaml: not a mapping"),
+    ("config-a-list", ["r", "out"], _export_setup(config="- 1\n"), "r/config.yaml: not a mapping"),
+    ("config-broken", ["r", "out"], _export_setup(config="a: [\n"), "r/config.yaml, line 2"),
+    (
+        "config-not-utf8",
+        ["r", "out"],
+        _export_setup(config=b"\xff\xfe"),
+        "r/config.yaml: not UTF-8",
+    ),
+    ("no-checkpoint", ["r", "out"], _export_setup(), "r: no complete checkpoint"),
+    ("out-not-empty", ["r", "full"], _export_setup(checkpoints=_ckpt()), "full exists and is not"),
+    ("out-a-file", ["r", "afile"], _export_setup(checkpoints=_ckpt()), "afile exists"),
+    ("out-the-run", ["r", "r"], _export_setup(checkpoints=_ckpt()), "r exists and is not empty"),
+    ("out-here", ["r", "."], _export_setup(checkpoints=_ckpt()), ". exists and is not empty"),
+    ("checkpoint-base", ["r", "o", "--checkpoint", "base"], _export_setup(), "--checkpoint base"),
+    ("checkpoint-step-x", ["r", "o", "--checkpoint", "step_x"], _export_setup(), "step_x"),
+    ("checkpoint-latest", ["r", "o", "--checkpoint", "latest"], _export_setup(), "latest"),
+    (
+        "checkpoint-not-kept",
+        ["r", "o", "--checkpoint", "step_99"],
+        _export_setup(checkpoints=_ckpt()),
+        "no complete checkpoint for step 99; available: step_1",
+    ),
+    (
+        "best-never-logged",
+        ["r", "o", "--checkpoint", "best"],
+        _export_setup(checkpoints=_ckpt()),
+        "no complete checkpoint at a step that logged val/acc",
+    ),
+    (
+        "best-by-train-metric",
+        ["r", "o", "--checkpoint", "best", "--select-metric", "train/loss"],
+        _export_setup(checkpoints=_ckpt()),
+        "metric 'train/loss'",
+    ),
+    ("flipped-byte", ["r", "o"], _export_setup(checkpoints=_ckpt()), "state.pt: sha256 does not"),
+    (
+        "manifest-not-json",
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": "{"})),
+        "manifest.json: unreadable checkpoint manifest",
+    ),
+    (
+        "manifest-a-list",
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": "[1]"})),
+        "manifest.json: not a checkpoint manifest",
+    ),
+    (
+        "manifest-sums-a-string",
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": '{"sha256": "x"}'})),
+        "manifest.json: not a checkpoint manifest",
+    ),
+    (
+        "state-missing",
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"state.pt": None, "manifest.json": '{"sha256": {}}'})),
+        "state.pt: missing",
+    ),
+    (
+        "state-not-torch",  # no manifest (older checkpoints): torch.load fails, named
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": None})),
+        "state.pt: not a readable checkpoint",
+    ),
+    (
+        "state-empty",
+        ["r", "o"],
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": None, "state.pt": b""})),
+        "state.pt: not a readable checkpoint",
+    ),
+    (
+        "folder-being-written",  # step_N.tmp (a save in progress) is not a checkpoint
+        ["r", "o"],
+        _export_setup(checkpoints={"step_000001.tmp": {"COMPLETE": "1"}}),
+        "r: no complete checkpoint",
+    ),
+    (
+        "folder-misnamed",
+        ["r", "o"],
+        _export_setup(checkpoints={"step_x": {"COMPLETE": "1"}}),
+        "r: no complete checkpoint",
+    ),
+    ("missing-out", ["r"], _export_setup(), "required: out"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "setup", "names"), [r[1:] for r in EXPORT], ids=[r[0] for r in EXPORT]
+)
+def test_export_refuses(tmp_path, capsys, monkeypatch, args, setup, names):
+    err = refuse(["export", *args], tmp_path, capsys, monkeypatch, setup)
+    assert names in err
+
+
+def test_export_refuses_a_state_that_is_not_an_omgrpo_checkpoint(tmp_path, capsys, monkeypatch):
+    import torch
+
+    def setup(root: Path) -> None:
+        _export_setup(checkpoints={"step_000001": {"COMPLETE": "1"}})(root)
+        torch.save({"weights": 1}, root / "r" / "checkpoints" / "step_000001" / "state.pt")
+
+    err = refuse(["export", "r", "o"], tmp_path, capsys, monkeypatch, setup)
+    assert "state.pt: not an omgrpo checkpoint" in err
+
+
+def _export_dir(change: Callable[[Path], None]):
+    """m/: a model directory as `omgrpo export` writes it (stand-in bytes for the weights: a
+    refusal must come before anything loads them), with the checksums in its metadata; then
+    `change(m)` damages it."""
+    from omgrpo.backends.native.export import write_export_meta
+
+    def setup(root: Path) -> None:
+        _eval_setup(_bench())(root)
+        model = root / "m"
+        (model / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+        (model / "tokenizer.json").write_text("{}")
+        config = {"task": {"name": "toy"}}
+        write_export_meta(
+            model, run_dir=None, checkpoint_dir=root, label="step_1", why="", step=1,
+            config=config, base=None, dtype="float32",
+        )  # fmt: skip
+        change(model)
+
+    return setup
+
+
+def _flip(name: str) -> Callable[[Path], None]:
+    def change(model: Path) -> None:
+        data = bytearray((model / name).read_bytes())
+        data[len(data) // 2] ^= 0x01
+        (model / name).write_bytes(bytes(data))
+
+    return change
+
+
+def _edit_meta(edit: Callable[[dict], None]) -> Callable[[Path], None]:
+    def change(model: Path) -> None:
+        meta = json.loads((model / "omgrpo_export.json").read_text())
+        edit(meta)
+        (model / "omgrpo_export.json").write_text(json.dumps(meta))
+
+    return change
+
+
+EVAL_EXPORT = [
+    ("flipped-weight-byte", _flip("model.safetensors"), "m/model.safetensors: sha256 does not"),
+    ("flipped-tokenizer-byte", _flip("tokenizer.json"), "m/tokenizer.json: sha256 does not"),
+    ("truncated-weights", lambda m: (m / "model.safetensors").write_bytes(b"x"), "m/model.sa"),
+    ("weights-deleted", lambda m: (m / "model.safetensors").unlink(), "model.safetensors: missing"),
+    ("meta-truncated", lambda m: (m / "omgrpo_export.json").write_text('{"a"'), "not valid JSON"),
+    ("meta-a-list", lambda m: (m / "omgrpo_export.json").write_text("[]"), "not a mapping"),
+    ("sums-a-list", _edit_meta(lambda d: d.update(sha256=[1])), "omgrpo_export.json: sha256"),
+    (
+        "sums-name-outside",
+        _edit_meta(lambda d: d["sha256"].update({"../ok.jsonl": "0"})),
+        "../ok.jsonl",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "names"), [r[1:] for r in EVAL_EXPORT], ids=[r[0] for r in EVAL_EXPORT]
+)
+def test_eval_refuses_a_damaged_export_before_loading_it(
+    tmp_path, capsys, monkeypatch, change, names
+):
+    err = refuse(
+        ["eval", "m", "--suite", "s.yaml"], tmp_path, capsys, monkeypatch, _export_dir(change)
+    )
     assert names in err

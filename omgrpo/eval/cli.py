@@ -1,19 +1,18 @@
 """`omgrpo eval ...`, `omgrpo export ...`, `omgrpo data convert ...` and `omgrpo data prepare
-...` (exit status 0, or 2 with the reason)."""
+...` (exit status 0). Bad input raises InputError (file / row / key, found, expected), which
+`omgrpo.cli.main` prints with exit status 2; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
 import time
 
-from omgrpo.analysis.cli import _fail, _parse
+from omgrpo.analysis.cli import _parse
 from omgrpo.errors import InputError, check_int, check_number
 from omgrpo.eval.sampler import BACKENDS
 
 
 def eval_main(argv: list[str]) -> int:
-    from omgrpo.eval.checkpoints import CheckpointError
-    from omgrpo.eval.data import BenchmarkDataError
     from omgrpo.eval.runner import evaluate
     from omgrpo.eval.suite import load_suite
 
@@ -54,42 +53,30 @@ def eval_main(argv: list[str]) -> int:
     if isinstance(ns, int):
         return ns
     if ns.out and len(ns.targets) > 1:
-        return _fail("omgrpo eval", "--out takes one target")
-    try:
-        _check_eval_flags(ns)
-    except InputError as e:
-        return _fail("omgrpo eval", str(e))
+        raise InputError("--out takes one target", key="--out", found=ns.targets)
+    _check_eval_flags(ns)
     if ns.threads:
         import torch
 
         torch.set_num_threads(ns.threads)
-    try:
-        suite = load_suite(ns.suite) if ns.suite else None  # None: each run's own
-        for target in ns.targets:
-            start = time.perf_counter()
-            out = evaluate(
-                target,
-                suite,
-                checkpoint=ns.checkpoint,
-                select_metric=ns.select_metric,
-                select_split=ns.select_split,
-                backend=ns.backend,
-                batch_size=ns.batch_size,
-                device=ns.device,
-                tensor_parallel_size=ns.tensor_parallel_size,
-                gpu_memory_utilization=ns.gpu_memory_utilization,
-                out=ns.out,
-                track=not ns.no_track,
-            )
-            print(f"eval: {out / 'summary.json'}  ({time.perf_counter() - start:.1f} s)")
-    except (
-        FileNotFoundError,
-        CheckpointError,
-        BenchmarkDataError,
-        ImportError,
-        ValueError,
-    ) as e:
-        return _fail("omgrpo eval", str(e))
+    suite = load_suite(ns.suite) if ns.suite else None  # None: each run's own
+    for target in ns.targets:
+        start = time.perf_counter()
+        out = evaluate(
+            target,
+            suite,
+            checkpoint=ns.checkpoint,
+            select_metric=ns.select_metric,
+            select_split=ns.select_split,
+            backend=ns.backend,
+            batch_size=ns.batch_size,
+            device=ns.device,
+            tensor_parallel_size=ns.tensor_parallel_size,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+            out=ns.out,
+            track=not ns.no_track,
+        )
+        print(f"eval: {out / 'summary.json'}  ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -109,7 +96,6 @@ def _check_eval_flags(ns: argparse.Namespace) -> None:
 
 
 def export_main(argv: list[str]) -> int:
-    from omgrpo.eval.checkpoints import CheckpointError
     from omgrpo.eval.export import export_run
 
     parser = argparse.ArgumentParser(
@@ -127,16 +113,13 @@ def export_main(argv: list[str]) -> int:
     ns = _parse(parser, argv)
     if isinstance(ns, int):
         return ns
-    try:
-        out = export_run(ns.run, ns.out, ns.checkpoint, ns.select_metric)
-    except (FileNotFoundError, FileExistsError, CheckpointError, ValueError) as e:
-        return _fail("omgrpo export", str(e))
+    out = export_run(ns.run, ns.out, ns.checkpoint, ns.select_metric)
     print(f"exported {ns.run} ({ns.checkpoint}) -> {out}")
     return 0
 
 
 def data_main(argv: list[str]) -> int:
-    from omgrpo.eval.data import BenchmarkDataError, convert
+    from omgrpo.eval.data import convert
 
     parser = argparse.ArgumentParser(
         prog="omgrpo data",
@@ -167,20 +150,17 @@ def data_main(argv: list[str]) -> int:
         return ns
     if ns.command == "prepare":
         return _prepare(ns)
-    try:
-        path, n = convert(
-            ns.source,
-            ns.out,
-            split=ns.split,
-            config=ns.config,
-            question_key=ns.question_key,
-            answer_key=ns.answer_key,
-            answer_format=ns.answer_format,
-            limit=ns.limit,
-            force=ns.force,
-        )
-    except (FileNotFoundError, BenchmarkDataError, ImportError, ValueError) as e:
-        return _fail("omgrpo data convert", str(e))
+    path, n = convert(
+        ns.source,
+        ns.out,
+        split=ns.split,
+        config=ns.config,
+        question_key=ns.question_key,
+        answer_key=ns.answer_key,
+        answer_format=ns.answer_format,
+        limit=ns.limit,
+        force=ns.force,
+    )
     print(f"wrote {n} problems to {path}")
     return 0
 
@@ -204,43 +184,54 @@ def _add_prepare(sub) -> None:
     prep.add_argument("--answer-key", help="answer column of the files (default: detected)")
     prep.add_argument("--answer-format", default="auto", choices=["auto", "plain", "gsm8k"])
     prep.add_argument("--limit", type=int, help="first N problems of each source only")
+    prep.add_argument("--force", action="store_true", help="replace existing OUT/<name>.parquet")
 
 
 def _prepare(ns) -> int:
     import re
     from pathlib import Path
 
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from omgrpo.eval.data import BenchmarkDataError
     from omgrpo.eval.prepare import parse_sources, prepare
 
+    check_int(ns.limit, "--limit", minimum=1, allow_none=True)
     # KEY=VALUE (Hydra's override syntax) that is not a file: a config override
     is_override = [re.match(r"^[\w.+~/-]+=", a) and not Path(a).exists() for a in ns.sources]
     overrides = [a for a, o in zip(ns.sources, is_override) if o]
     paths = [a for a, o in zip(ns.sources, is_override) if not o]
-    try:
-        sources = parse_sources(
-            paths,
-            ns.suite,
-            ns.limit,
-            question_key=ns.question_key,
-            answer_key=ns.answer_key,
-            answer_format=ns.answer_format,
+    sources = parse_sources(
+        paths,
+        ns.suite,
+        ns.limit,
+        question_key=ns.question_key,
+        answer_key=ns.answer_key,
+        answer_format=ns.answer_format,
+    )
+    toy_task = None
+    if any(s.path.startswith("toy:") for s in sources):
+        toy_task = _toy_task(overrides)
+    elif overrides:
+        raise InputError(
+            "config overrides apply to toy:<split> sources only",
+            found=overrides,
+            expected="benchmark files that exist, or toy:train|val|test",
         )
-        toy_task = None
-        if any(s.path.startswith("toy:") for s in sources):
-            from omgrpo.config import compose
-
-            toy_task = compose(overrides).task
-        elif overrides:
-            raise ValueError(f"config overrides {overrides} apply to toy:<split> sources only")
-        written = prepare(sources, ns.out, ns.backend, toy_task)
-    except (FileNotFoundError, BenchmarkDataError, ValueError, HydraException) as e:
-        return _fail("omgrpo data prepare", str(e))
-    except OmegaConfBaseException as e:  # a bad config override
-        return _fail("omgrpo data prepare", str(e))
+    written = prepare(sources, ns.out, ns.backend, toy_task, force=ns.force)
     for path, n in written:
         print(f"wrote {n} problems to {path}")
     return 0
+
+
+def _toy_task(overrides: list[str]):
+    """The `task` of the config the overrides compose, its values checked (InputError)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from omgrpo.config import check_values, compose
+    from omgrpo.errors import short_message
+
+    try:
+        cfg = compose(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise InputError(f"the config does not compose: {short_message(e)}") from e
+    check_values(cfg)
+    return cfg.task

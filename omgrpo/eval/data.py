@@ -226,7 +226,9 @@ def _dataset_rows(source: str, split: str | None, config: str | None) -> list[di
     try:
         import datasets
     except ImportError as e:
-        raise ImportError(
+        from omgrpo.errors import MissingDependency
+
+        raise MissingDependency(
             "reading a Hugging Face dataset needs `pip install datasets`; or pass a "
             ".jsonl/.parquet file"
         ) from e
@@ -246,6 +248,11 @@ def _dataset_rows(source: str, split: str | None, config: str | None) -> list[di
             ) from e
     if isinstance(data, datasets.DatasetDict):
         if split is None:
-            raise ValueError(f"{source}: has splits {list(data)}; choose one with --split")
+            raise InputError(
+                "has several splits: choose one with --split",
+                file=source,
+                key="--split",
+                expected=f"one of {list(data)}",
+            )
         data = data[split]
     return [dict(r) for r in data]

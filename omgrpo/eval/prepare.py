@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omgrpo.core.task import Problem
+from omgrpo.errors import InputError
 from omgrpo.eval.data import BenchmarkDataError, load_benchmark
 from omgrpo.eval.suite import TOY_SOURCE, load_suite
 
@@ -41,7 +42,7 @@ def parse_sources(
 ) -> list[Source]:
     """Sources of the command line: a suite's benchmarks (with the suite's keys and formats),
     then each path (`keys`: question_key / answer_key / answer_format for the files). Raises
-    ValueError for two sources with one name (they would write one file)."""
+    InputError for two sources with one name (they would write one file)."""
     sources = []
     if suite:
         for b in load_suite(suite).benchmarks:
@@ -53,10 +54,10 @@ def parse_sources(
         name = path.replace(":", "_") if path.startswith("toy:") else Path(path).stem
         sources.append(Source(name, path, limit=limit, **keys))
     if not sources:
-        raise ValueError("nothing to prepare: give benchmark files, toy:<split> or --suite")
+        raise InputError("nothing to prepare: give benchmark files, toy:<split> or --suite")
     names = [s.name for s in sources]
     if dupes := sorted({n for n in names if names.count(n) > 1}):
-        raise ValueError(f"two sources would write the same file: {dupes}; rename one of them")
+        raise InputError(f"two sources would write the same file: {dupes}; rename one of them")
     return sources
 
 
@@ -67,11 +68,11 @@ def source_problems(source: Source, toy_task=None) -> list[Problem]:
 
         split = source.path.split(":", 1)[1]
         if split not in TOY_SPLITS:
-            raise ValueError(
+            raise InputError(
                 f"'{source.path}': unknown toy split; use toy:{'|toy:'.join(TOY_SPLITS)}"
             )
         if toy_task is None or toy_task.name != "toy":
-            raise ValueError(f"'{source.path}' needs a toy task (the config's task is not toy)")
+            raise InputError(f"'{source.path}' needs a toy task (the config's task is not toy)")
         problems = getattr(TASKS["toy"](toy_task), split)
         return problems[: source.limit] if source.limit else problems
     return load_benchmark(
@@ -84,30 +85,45 @@ def source_problems(source: Source, toy_task=None) -> list[Problem]:
 
 
 def prepare(
-    sources: Sequence[Source], out_dir: str | Path, backend: str = "verl", toy_task=None
+    sources: Sequence[Source],
+    out_dir: str | Path,
+    backend: str = "verl",
+    toy_task=None,
+    *,
+    force: bool = False,
 ) -> list[tuple[Path, int]]:
     """Write each source as `<out_dir>/<name>.parquet` for `backend`; returns (path, rows).
     Reads every source first: bad rows, missing files and unknown splits of all sources
-    raise one BenchmarkDataError before any file is written."""
+    raise one BenchmarkDataError before any file is written. An existing output file is
+    refused unless `force`; the files are written aside and moved in together at the end."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend '{backend}'; valid: {', '.join(BACKENDS)}")
+        raise InputError(key="--backend", found=backend, expected=" or ".join(BACKENDS))
     import pandas as pd
 
     from omgrpo.backends.verl.data import verl_rows
+    from omgrpo.staging import staged_files
 
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError("not a folder", key="--out", file=out_dir, expected="an output folder")
+    existing = [str(out_dir / f"{s.name}.parquet") for s in sources]
+    existing = [p for p in existing if Path(p).exists()]
+    if existing and not force:
+        raise InputError(
+            "exists; pass --force to replace it", key="--out", found=existing, expected="new files"
+        )
     loaded, errors = [], []
     for source in sources:
         try:
             loaded.append((source, source_problems(source, toy_task)))
-        except (BenchmarkDataError, ValueError, FileNotFoundError) as e:
+        except (InputError, FileNotFoundError) as e:  # BenchmarkDataError too
             errors.append(str(e))  # every source's problems at once, not one per try
     if errors:
         raise BenchmarkDataError("\n".join(errors))
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for source, problems in loaded:
-        path = out_dir / f"{source.name}.parquet"
-        pd.DataFrame(verl_rows(problems, source.name)).to_parquet(path, index=False)
-        written.append((path, len(problems)))
+    with staged_files(out_dir) as tmp:
+        for source, problems in loaded:
+            name = f"{source.name}.parquet"
+            pd.DataFrame(verl_rows(problems, source.name)).to_parquet(tmp / name, index=False)
+            written.append((out_dir / name, len(problems)))
     return written

@@ -65,13 +65,15 @@ class Target:
 
 
 def resolve_target(path: str | Path) -> Target:
-    from omgrpo.backends.native.export import read_export_meta
+    """A run directory, or a model directory (an export's files checked against the sha256 in
+    its omgrpo_export.json: a damaged file is named before anything loads)."""
+    from omgrpo.backends.native.export import verify_export
 
     path = Path(path)
     if (path / "config.yaml").exists():
         return Target(path, RunStore(path).read_config())
     if (path / "config.json").exists():
-        return Target(path, None, read_export_meta(path))
+        return Target(path, None, verify_export(path))
     raise FileNotFoundError(
         f"{path}: neither a run directory (config.yaml) nor a Hugging Face model directory "
         "(config.json)"
@@ -120,7 +122,8 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     """(model, tokenizer, model directory) with the chosen checkpoint's weights loaded."""
     from omegaconf import OmegaConf
 
-    from omgrpo.backends.native.checkpoint import STATE_FILE, checkpoint_model, verify_checkpoint
+    from omgrpo.backends.native.checkpoint import checkpoint_model
+    from omgrpo.backends.native.export import read_checkpoint_state
     from omgrpo.models.loading import (
         base_model_dir,
         load_model,
@@ -141,8 +144,7 @@ def load_policy(target: Target, choice: Choice, device: str = "auto"):
     if choice.path is None:
         model = load_model(base, dev, dtype)
     else:
-        verify_checkpoint(Path(choice.path))  # names a damaged file
-        state = torch.load(Path(choice.path) / STATE_FILE, map_location="cpu", weights_only=False)
+        state = read_checkpoint_state(choice.path)  # verified: names a damaged file
         model = checkpoint_model(state, base, dev, dtype)  # a LoRA run's adapters merged
     return model.eval(), load_tokenizer(base), base
 
@@ -169,7 +171,7 @@ def build_sampler(
         require_vllm()  # before exporting a checkpoint for nothing
         model_dir = vllm_model_dir(target, choice, scratch, scratch_dir)
         return VLLMSampler(model_dir, load_tokenizer(model_dir), **llm_kwargs)
-    raise ValueError(f"unknown backend '{backend}': native or vllm")
+    raise InputError(key="--backend", found=backend, expected="native or vllm")
 
 
 def vllm_model_dir(target: Target, choice: Choice, scratch: ExitStack, scratch_dir: Path) -> str:
@@ -380,7 +382,7 @@ def _vllm_kwargs(backend: str, tensor_parallel_size, gpu_memory_utilization) -> 
         if v is not None
     }
     if llm_kwargs and backend != "vllm":
-        raise ValueError("--tensor-parallel-size / --gpu-memory-utilization need --backend vllm")
+        raise InputError("--tensor-parallel-size / --gpu-memory-utilization need --backend vllm")
     return llm_kwargs
 
 
@@ -407,7 +409,11 @@ def _checkpoint_choice(
             target.path, checkpoint, target.config, select_metric, select_split, test_paths
         )
     if checkpoint != "last":
-        raise ValueError(f"{target.path} is a model directory: --checkpoint must be 'last'")
+        raise InputError(
+            f"{target.path} is a model directory: --checkpoint must be 'last'",
+            key="--checkpoint",
+            found=checkpoint,
+        )
     return Choice("model", 0, None, f"the model directory {target.path}")
 
 

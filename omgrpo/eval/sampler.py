@@ -65,7 +65,9 @@ def require_vllm() -> None:
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        raise ImportError(
+        from omgrpo.errors import MissingDependency
+
+        raise MissingDependency(
             "--backend vllm needs vLLM: `pip install -e '.[vllm]'` (a build matching your "
             "CUDA); or use --backend native"
         ) from e

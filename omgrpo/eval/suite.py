@@ -23,10 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from omgrpo.core.prompt import SYSTEM_PROMPT
-from omgrpo.errors import InputError, check_int, check_number, inside
+from omgrpo.errors import InputError, check_int, check_number, inside, read_yaml
 
 TOY_SOURCE = "toy:test"  # the toy world's test split, from the run's task config
 
@@ -143,17 +141,7 @@ def _read_suite_file(path: Path) -> dict:
     """A suite file's YAML as a mapping of the known top-level keys (InputError otherwise)."""
     if not path.exists():
         raise InputError("suite file not found", file=path)
-    if not path.is_file():
-        raise InputError("not a file", file=path, expected="a suite YAML file")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except UnicodeDecodeError as e:
-        raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise InputError(f"not valid YAML: {problem}", file=path, row=where) from e
+    data = read_yaml(path, "a suite YAML file")
     expected = "a mapping with 'benchmarks: {name: {path: ..., k: ...}}'"
     if not isinstance(data, dict):
         raise InputError("not a suite", file=path, found=_short(data), expected=expected)

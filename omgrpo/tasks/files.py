@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from omgrpo.core.task import Problem
+from omgrpo.errors import InputError
 
 
 def load_problems(
@@ -42,18 +43,18 @@ def load_problems(
     problems = []
     for i, (where, row) in enumerate(_read_rows(path)):
         if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object with '{question_key}', got {row!r:.80}")
+            raise InputError(f"{where}: expected an object with '{question_key}', got {row!r:.80}")
         if row.get(question_key) is None:
-            raise ValueError(
+            raise InputError(
                 f"{where}: missing '{question_key}' (columns: {sorted(row)}); "
                 f"set task.question_key if your file names it differently"
             )
         question = _scalar_text(row[question_key], where, question_key)
         if question is None or not question.strip():
-            raise ValueError(f"{where}: empty '{question_key}'")
+            raise InputError(f"{where}: empty '{question_key}'")
         answer = _scalar_text(row.get(answer_key), where, answer_key)
         if answer is None and require_answer:
-            raise ValueError(
+            raise InputError(
                 f"{where}: missing '{answer_key}' (columns: {sorted(row)}); "
                 f"set task.answer_key if your file names it differently"
             )
@@ -68,7 +69,7 @@ def load_problems(
             )
         )
     if not problems:
-        raise ValueError(f"{path}: the {split} file has no rows")
+        raise InputError(f"{path}: the {split} file has no rows")
     return problems
 
 
@@ -81,7 +82,7 @@ def _scalar_text(value: Any, where: str, key: str) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, bool):  # bool is an Integral: refuse it before the number cases
-        raise ValueError(f"{where}: '{key}' must be text or a number, got the boolean {value}")
+        raise InputError(f"{where}: '{key}' must be text or a number, got the boolean {value}")
     if isinstance(value, Integral):
         return str(int(value))
     if isinstance(value, Real):
@@ -89,7 +90,7 @@ def _scalar_text(value: Any, where: str, key: str) -> str | None:
         return str(int(number)) if number.is_integer() else repr(number)
     shown = value.tolist() if hasattr(value, "tolist") else value  # Parquet lists are arrays
     kind = "a list" if isinstance(shown, list | tuple) else type(value).__name__
-    raise ValueError(
+    raise InputError(
         f"{where}: '{key}' must be a single value (text or a number), got {kind} "
         f"{shown!r:.80}; a list of answers cannot be graded as one label"
     )
@@ -99,12 +100,19 @@ def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """(where, row) for every row of the file; `where` names the file and the row."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        for i, row in enumerate(pd.read_parquet(path).to_dict(orient="records")):
+        try:
+            table = pd.read_parquet(path)
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise InputError(f"not a readable Parquet file ({str(e)[:200]})", file=path) from e
+        for i, row in enumerate(table.to_dict(orient="records")):
             yield f"{path}, row {i}", row
     elif suffix == ".json":
-        data = json.loads(_utf8(path.read_bytes(), f"{path}"))
+        try:
+            data = json.loads(_utf8(path.read_bytes(), f"{path}"))
+        except json.JSONDecodeError as e:
+            raise InputError(f"invalid JSON ({e.msg}, line {e.lineno})", file=path) from e
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+            raise InputError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
         for i, row in enumerate(data):
             yield f"{path}, row {i}", row
     elif suffix == ".jsonl":
@@ -117,9 +125,9 @@ def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{where}: invalid JSON ({e.msg})") from e
+                    raise InputError(f"{where}: invalid JSON ({e.msg})") from e
     else:
-        raise ValueError(
+        raise InputError(
             f"{path}: unsupported dataset format '{suffix}' (use .jsonl, .json, .parquet)"
         )
 
@@ -128,7 +136,7 @@ def _utf8(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise InputError(
             f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start}); "
             "re-encode the file as UTF-8"
         ) from e

@@ -62,10 +62,14 @@ class RunStore:
         (self.dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
     def read_config(self) -> dict[str, Any]:
+        """The run's config.yaml; InputError naming it when it is not a YAML mapping (empty,
+        truncated, not UTF-8), FileNotFoundError when there is none."""
+        from omgrpo.errors import read_mapping
+
         path = self.dir / "config.yaml"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: is {self.dir} a run directory?")
-        return yaml.safe_load(path.read_text())
+        return read_mapping(path, "a run's resolved config (a YAML mapping)")
 
     def has_progress(self) -> bool:
         return self.has_metrics() or self.checkpoints_dir.exists()
@@ -182,8 +186,8 @@ class RunStore:
         tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
         tmp.write_text("".join(x + "\n" for x in keep))
         tmp.replace(self.metrics_path)  # a kill while rewriting keeps the old file
-        for path in self.rollouts_dir.glob("step_*.parquet"):
-            if int(path.stem.split("_")[1]) > last_step:
+        for step, path in self.rollout_files():
+            if step > last_step:
                 path.unlink()
 
     # -- rollouts -------------------------------------------------------------------------
@@ -204,8 +208,8 @@ class RunStore:
     def rollout_files(self, up_to: int | None = None) -> list[tuple[int, Path]]:
         """(step, parquet file) of the rollout tables, by step (steps <= `up_to` if given)."""
         files = sorted(self.rollouts_dir.glob("step_*.parquet"))
-        steps = [(int(f.stem.split("_")[1]), f) for f in files]
-        return [(s, f) for s, f in steps if up_to is None or s <= up_to]
+        steps = [(step_number(f.stem), f) for f in files]
+        return [(s, f) for s, f in steps if s is not None and (up_to is None or s <= up_to)]
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:
@@ -214,8 +218,14 @@ class RunStore:
     def complete_checkpoints(self) -> list[Path]:
         """Checkpoint folders whose writing finished, newest first (their files may still be
         damaged: `omgrpo.backends.native.checkpoint.load_latest_intact_checkpoint` verifies them)."""
-        done = [p for p in self.checkpoints_dir.glob("step_*") if (p / "COMPLETE").exists()]
-        return sorted(done, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+        done = [p for p in self._checkpoint_folders() if (p / "COMPLETE").exists()]
+        return sorted(done, key=lambda p: step_number(p.name) or 0, reverse=True)
+
+    def _checkpoint_folders(self) -> list[Path]:
+        """checkpoints/step_N folders; anything else there (`step_N.tmp` being written, a copy
+        named `step_x`) is not a checkpoint."""
+        paths = self.checkpoints_dir.glob("step_*")
+        return [p for p in paths if step_number(p.name) is not None and p.is_dir()]
 
     def latest_checkpoint(self) -> Path | None:
         done = self.complete_checkpoints()
@@ -223,7 +233,7 @@ class RunStore:
 
     def checkpoints_by_step(self) -> dict[int, Path]:
         """Step -> folder of every completely written checkpoint, oldest first."""
-        return {int(p.name.split("_")[1]): p for p in reversed(self.complete_checkpoints())}
+        return {step_number(p.name) or 0: p for p in reversed(self.complete_checkpoints())}
 
     def best_checkpoint(self, metric: str) -> tuple[int, float, dict[int, float]] | None:
         """The complete checkpoint whose step logged the highest `metric` (ties: the later
@@ -241,7 +251,7 @@ class RunStore:
     def prune_checkpoints(self, keep: int, keep_best: str | None = None) -> None:
         """Keep the newest `keep` checkpoints, and with `keep_best` also the best one by that
         metric (so `omgrpo eval --checkpoint best` finds it after later ones are written)."""
-        done = sorted(self.checkpoints_dir.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+        done = sorted(self._checkpoint_folders(), key=lambda p: step_number(p.name) or 0)
         best = self.best_checkpoint(keep_best) if keep_best else None
         protect = self.checkpoint_dir(best[0]) if best else None
         for path in done[: max(0, len(done) - keep)]:
@@ -369,6 +379,12 @@ class RunStore:
     def _trackers_json(self) -> dict[str, Any]:
         path = self.dir / "trackers.json"
         return json.loads(path.read_text()) if path.exists() else {}
+
+
+def step_number(name: str) -> int | None:
+    """N of a `step_N` checkpoint folder or `step_N.parquet` stem (N >= 0), else None."""
+    head, _, digits = name.partition("_")
+    return int(digits) if head == "step" and digits.isdigit() and digits.isascii() else None
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:

@@ -162,3 +162,31 @@ def test_a_runs_own_suite():
     assert default_suite_name({"task": {"name": "toy"}}) == "toy"
     assert default_suite_name({"task": {"name": "files", "test_path": "x.jsonl"}}) == "paper"
     assert default_suite_name(None) == "paper"  # a model directory omgrpo did not export
+
+
+@pytest.mark.slow
+def test_an_exports_files_carry_checksums_that_eval_verifies(exported, tmp_path, capsys):
+    """omgrpo_export.json lists the sha256 of every file of the export; `omgrpo eval` checks
+    them before anything loads and refuses a flipped byte, naming the file (before: evaluated
+    without complaint)."""
+    from omgrpo.backends.native.checkpoint import _sha256
+
+    meta = json.loads((exported / "omgrpo_export.json").read_text())
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(meta["sha256"])
+    for name, digest in meta["sha256"].items():
+        assert _sha256(exported / name) == digest
+    assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary
+
+    damaged = tmp_path / "damaged"
+    import shutil
+
+    shutil.copytree(exported, damaged)
+    weights = damaged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["eval", str(damaged), "--out", str(tmp_path / "e"), "--no-track"]) == 2
+    err = capsys.readouterr().err
+    assert f"{weights}: sha256 does not match" in err and "Traceback" not in err
+    assert not (tmp_path / "e").exists()

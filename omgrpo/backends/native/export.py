@@ -15,7 +15,6 @@ import datetime as _dt
 import gc
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,24 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from omgrpo.backends.native.checkpoint import (
+    MANIFEST,
     STATE_FILE,
+    _sha256,
     checkpoint_model,
     resume_relevant,
     verify_checkpoint,
 )
+from omgrpo.errors import InputError, read_mapping
 from omgrpo.models.loading import base_model_dir
+from omgrpo.staging import staged_dir
 from omgrpo.tracking import flatten
 
 EXPORT_META = "omgrpo_export.json"
+
+
+class ExportError(InputError):
+    """An exported directory whose files do not match the checksums in its omgrpo_export.json
+    (a flipped byte, a truncated copy), or whose metadata cannot be read."""
 
 
 def config_hash(config: dict[str, Any]) -> str:
@@ -58,6 +66,78 @@ def check_export_target(out: Path) -> None:
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
 
 
+def read_checkpoint_state(checkpoint_dir: str | Path, mmap: bool = False) -> dict[str, Any]:
+    """A native checkpoint's state, its files checked against its manifest first
+    (`verify_checkpoint`); every failure (a damaged or missing file, a manifest or state that
+    is not a checkpoint's) is a CheckpointError naming the file."""
+    from omgrpo.eval.checkpoints import CheckpointError
+
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest, state_file = checkpoint_dir / MANIFEST, checkpoint_dir / STATE_FILE
+    try:
+        verify_checkpoint(checkpoint_dir)
+    except ValueError as e:  # a checksum mismatch, a missing file, a manifest that is no JSON
+        raise CheckpointError(str(e)) from e
+    except (TypeError, AttributeError, KeyError) as e:  # valid JSON, not a manifest's shape
+        raise CheckpointError(
+            "not a checkpoint manifest", file=manifest, expected='{"sha256": {file: digest}}'
+        ) from e
+    if not state_file.is_file():
+        raise CheckpointError("missing (a checkpoint holds its state here)", file=state_file)
+    try:  # mmap: the optimizer state in the same file is never read into memory
+        state = torch.load(state_file, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:  # torch names no file: a truncated or foreign file
+        raise CheckpointError(
+            f"not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+            file=state_file,
+        ) from e
+    if not isinstance(state, dict) or not {"config", "step"} <= set(state):
+        raise CheckpointError(
+            "not an omgrpo checkpoint", file=state_file, expected="a state with config and step"
+        )
+    return state
+
+
+def weight_checksums(model_dir: Path) -> dict[str, str]:
+    """sha256 of every file of an export (weights, configs, tokenizer) but its metadata, by
+    path relative to the directory: what `verify_export` checks before anything loads it."""
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != EXPORT_META)
+    return {str(p.relative_to(model_dir)): _sha256(p) for p in files}
+
+
+def verify_export(model_dir: str | Path) -> dict[str, Any] | None:
+    """An exported directory's omgrpo_export.json, after checking every file it lists against
+    its sha256 (ExportError naming a missing or damaged file); None for a model directory
+    `omgrpo export` did not write. Exports written before checksums existed are only read."""
+    model_dir = Path(model_dir)
+    path = model_dir / EXPORT_META
+    if not path.is_file():
+        return None
+    try:
+        meta = read_mapping(path, "an omgrpo export's metadata (a JSON object)")
+    except InputError as e:
+        raise ExportError(str(e)) from e
+    sums = meta.get("sha256")
+    if sums is None:
+        return meta
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise ExportError(
+            file=path, key="sha256", found=type(sums).__name__, expected="{file: digest}"
+        )
+    for name, digest in sums.items():
+        file = model_dir / name
+        if ".." in Path(name).parts or Path(name).is_absolute():
+            raise ExportError(file=path, key="sha256", found=name, expected="a file of the export")
+        if not file.is_file():
+            raise ExportError(f"missing (listed in {path})", file=file)
+        if _sha256(file) != digest:
+            raise ExportError(
+                f"sha256 does not match {path} (damaged or truncated): export the run again",
+                file=file,
+            )
+    return meta
+
+
 def export_checkpoint(
     checkpoint_dir: str | Path,
     out: str | Path,
@@ -67,42 +147,33 @@ def export_checkpoint(
     why: str = "",
 ) -> Path:
     """Write the checkpoint in `checkpoint_dir` as a HF model directory `out` (which must not
-    exist or be empty); raises ValueError naming a file that fails the manifest check. The
-    torch copy made here lives on the CPU and is gone when this returns."""
+    exist or be empty); raises CheckpointError naming a file that fails the manifest check.
+    The torch copy made here lives on the CPU and is gone when this returns."""
     checkpoint_dir, out = Path(checkpoint_dir), Path(out)
     check_export_target(out)
-    verify_checkpoint(checkpoint_dir)
-    # mmap: the optimizer state in the same file is never read into memory
-    state = torch.load(
-        checkpoint_dir / STATE_FILE, map_location="cpu", weights_only=False, mmap=True
-    )
+    state = read_checkpoint_state(checkpoint_dir, mmap=True)
     config, step = state["config"], int(state["step"])
     base = run_base_dir(config)
     # written aside and renamed into place: a killed export leaves no half directory at `out`
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    model = checkpoint_model(state, base, torch.device("cpu"))  # the adapters merged, if any
-    dtype = model.dtype
-    model.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    del model, state
-    gc.collect()  # the caller may build vLLM next: no torch copy of the weights is left
-    AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
-    write_export_meta(
-        tmp,
-        run_dir=run_dir,
-        checkpoint_dir=checkpoint_dir,
-        label=label or f"step_{step}",
-        why=why,
-        step=step,
-        config=config,
-        base=base,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    tmp.rename(out)
+    with staged_dir(out) as tmp:
+        model = checkpoint_model(state, base, torch.device("cpu"))  # the adapters merged
+        dtype = model.dtype
+        model.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        del model, state
+        gc.collect()  # the caller may build vLLM next: no torch copy of the weights is left
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+        write_export_meta(
+            tmp,
+            run_dir=run_dir,
+            checkpoint_dir=checkpoint_dir,
+            label=label or f"step_{step}",
+            why=why,
+            step=step,
+            config=config,
+            base=base,
+            dtype=str(dtype).removeprefix("torch."),
+        )
     return out
 
 
@@ -119,7 +190,8 @@ def write_export_meta(
     dtype: str,
 ) -> None:
     """`omgrpo_export.json`: which run, checkpoint, step and config the weights came from
-    (`omgrpo eval` reads the run's config, hence its task, from here). Both backends' exports."""
+    (`omgrpo eval` reads the run's config, hence its task, from here), and the sha256 of every
+    other file in `model_dir` (`verify_export`): written last. Both backends' exports."""
     meta = {
         "format": 1,
         "run": Path(run_dir).name if run_dir else None,
@@ -133,6 +205,7 @@ def write_export_meta(
         "dtype": dtype,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": config,  # the run's resolved config: `omgrpo eval` reads its task from here
+        "sha256": weight_checksums(model_dir),  # `omgrpo eval` verifies them (verify_export)
     }
     (model_dir / EXPORT_META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
 

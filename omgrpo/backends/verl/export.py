@@ -11,7 +11,6 @@ export), so `transformers`, vLLM and `omgrpo eval` read the directory.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from omgrpo.backends.native.export import check_export_target, write_export_meta
+from omgrpo.eval.checkpoints import CheckpointError
+from omgrpo.staging import staged_dir
 from omgrpo.tracking.store import RunStore
 
 __all__ = ["export_verl_run", "verl_checkpoints"]
@@ -51,16 +52,16 @@ def _choose(run_dir: Path, checkpoint: str, select_metric: str) -> tuple[int, Pa
     if checkpoint == "best":
         metrics = RunStore(run_dir).read_metrics()
         if select_metric not in metrics.columns:
-            raise ValueError(f"--checkpoint best: the run never logged {select_metric}")
+            raise CheckpointError(f"--checkpoint best: the run never logged {select_metric}")
         values = pd.to_numeric(metrics.set_index("train/step")[select_metric], errors="coerce")
         scored = {s: float(values[s]) for s in steps if s in values and pd.notna(values[s])}
         if not scored:
-            raise ValueError(f"--checkpoint best: no checkpoint step logged {select_metric}")
+            raise CheckpointError(f"--checkpoint best: no checkpoint step logged {select_metric}")
         step = max(scored, key=lambda s: (scored[s], s))
         return step, steps[step], f"highest {select_metric} ({scored[step]:.4g})"
     match = re.fullmatch(r"step_(\d+)", checkpoint)
     if match is None or int(match.group(1)) not in steps:
-        raise ValueError(f"--checkpoint {checkpoint}: the run has {have} (or last / best)")
+        raise CheckpointError(f"--checkpoint {checkpoint}: the run has {have} (or last / best)")
     step = int(match.group(1))
     return step, steps[step], "as asked"
 
@@ -73,32 +74,27 @@ def export_verl_run(
     run_dir, out = Path(run_dir), Path(out)
     check_export_target(out)
     step, actor, why = _choose(run_dir, checkpoint, select_metric)
-    tmp = out.with_name(f".{out.name}.tmp")  # renamed into place: no half directory at `out`
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
-    cmd += ["--local_dir", str(actor), "--target_dir", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(
-            f"verl's model merger failed on {actor} (exit {done.returncode}):\n"
-            + (done.stderr or done.stdout)[-3000:]
-        )
-    config = RunStore(run_dir).read_config()
     from transformers import AutoConfig
 
-    write_export_meta(
-        tmp,
-        run_dir=run_dir,
-        checkpoint_dir=actor.parent,
-        label=checkpoint if checkpoint != "last" else f"step_{step}",
-        why=why,
-        step=step,
-        config=config,
-        base=(config.get("model") or {}).get("path"),
-        dtype=str(AutoConfig.from_pretrained(tmp).dtype).removeprefix("torch."),
-    )
-    if out.exists():
-        out.rmdir()  # empty (checked above)
-    tmp.rename(out)
+    config = RunStore(run_dir).read_config()
+    with staged_dir(out) as tmp:  # renamed into place: no half directory at `out`
+        cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp"]
+        cmd += ["--local_dir", str(actor), "--target_dir", str(tmp)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"verl's model merger failed on {actor} (exit {done.returncode}):\n"
+                + (done.stderr or done.stdout)[-3000:]
+            )
+        write_export_meta(
+            tmp,
+            run_dir=run_dir,
+            checkpoint_dir=actor.parent,
+            label=checkpoint if checkpoint != "last" else f"step_{step}",
+            why=why,
+            step=step,
+            config=config,
+            base=(config.get("model") or {}).get("path"),
+            dtype=str(AutoConfig.from_pretrained(tmp).dtype).removeprefix("torch."),
+        )
     return out
