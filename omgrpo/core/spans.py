@@ -33,11 +33,12 @@ __all__ = [
     "with_stop_token",
 ]
 
-ANSWER_SPANS = ("boxed", "closing", "closing_line")
+ANSWER_SPANS = ("boxed", "closing", "closing_line", "closing_only")
 """`algorithm.answer_span` values: `boxed` (the paper's span, the content of the last
 ``\\boxed{}``), `closing` (also the closing ``}`` -- the character that decides where the answer
 ends -- and the stop token right after it), `closing_line` (the whole line holding the last box,
-from its start, and the stop token right after it)."""
+from its start, and the stop token right after it), `closing_only` (the closing ``}`` and the
+stop token right after it, without the box's content: study v4's generic mask)."""
 
 _REPLACEMENT = "\ufffd"  # what decoders emit for an incomplete UTF-8 byte sequence
 
@@ -58,7 +59,8 @@ def answer_char_span(
 
     `boxed`: the content of the last box. `closing`: the content and the character right after
     it (the closing ``}``; for a brace-less ``\\boxed 5`` the character that stops it, none at
-    the end of the text). `closing_line`: from the start of the box's line to its end (the next
+    the end of the text). `closing_only`: that character alone (empty when there is none).
+    `closing_line`: from the start of the box's line to its end (the next
     newline, excluded, or the end of the text). ``boxed``: ``extract_boxed(text)``, if known.
     """
     if span not in ANSWER_SPANS:
@@ -69,6 +71,8 @@ def answer_char_span(
     start, end = boxed.span
     if span == "closing":
         return start, min(end + 1, len(text))
+    if span == "closing_only":
+        return end, min(end + 1, len(text))
     if span == "closing_line":
         line_end = text.find("\n", end)
         return text.rfind("\n", 0, start) + 1, len(text) if line_end < 0 else line_end
@@ -238,8 +242,8 @@ def answer_mask_for_ids(
         tokenizer: an HF fast tokenizer.
         token_ids: (T,) generated ids (special tokens allowed; answer tokens only as below).
         text: the response text; defaults to ``tokenizer.decode(token_ids, skip_special_tokens=True)``.
-        span: which span (:data:`ANSWER_SPANS`); the special token right after a `closing` /
-            `closing_line` span (the eos ending the response there) is marked too.
+        span: which span (:data:`ANSWER_SPANS`); the special token right after any span but
+            `boxed` (the eos ending the response there) is marked too.
 
     Returns:
         ``(mask, text)``: (T,) bool mask (see :func:`answer_token_mask`) and the response text.

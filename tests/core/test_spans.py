@@ -361,6 +361,12 @@ def test_answer_char_span_hand_computed():
     # brace-less: the character that stops the answer; at the end of the text there is none
     assert answer_char_span("\\boxed 5 ok", "closing") == (7, 9)
     assert answer_char_span("\\boxed 5", "closing") == (7, 8)
+    # closing_only: the closing character alone (the `}`; brace-less: the one that stops it)
+    assert answer_char_span(text, "closing_only") == (s + 2, s + 3)  # `}`
+    assert text[slice(*answer_char_span(text, "closing_only"))] == "}"
+    assert answer_char_span("\\boxed 5 ok", "closing_only") == (8, 9)
+    assert answer_char_span("\\boxed 5", "closing_only") == (8, 8)  # none: marks no token
+    assert answer_char_span("x \\boxed{}", "closing_only") is None  # an empty box: no answer
     for span in ANSWER_SPANS:
         assert answer_char_span("no box", span) is None
         assert answer_char_span("cut \\boxed{1", span) is None
@@ -377,11 +383,13 @@ def test_shipped_toy_bpe_closing_masks_the_brace_token_and_eos(shipped_tok):
     assert pieces[-7:] == [" \\", "boxed", "{", "1", "7", "}.", "<|im_end|>"]
     assert _marked(tok, ids, "boxed") == ["1", "7"]
     assert _marked(tok, ids, "closing") == ["1", "7", "}.", "<|im_end|>"]
+    assert _marked(tok, ids, "closing_only") == ["}.", "<|im_end|>"]  # the digits trained
     line = ["So", " the", " answer", " is", " \\", "boxed", "{", "1", "7", "}.", "<|im_end|>"]
     assert _marked(tok, ids, "closing_line") == line
     # the response goes on after the box: its eos decides nothing about the answer
     more = [*tok.encode(text + " So", add_special_tokens=False), tok.eos_token_id]
     assert _marked(tok, more, "closing") == ["1", "7", "}."]
+    assert _marked(tok, more, "closing_only") == ["}."]
     # the whole line, to the end of the response: its eos too
     assert (
         "".join(_marked(tok, more, "closing_line")) == "So the answer is \\boxed{17}. So<|im_end|>"
@@ -392,8 +400,10 @@ def test_char_closing_masks_the_brace_and_only_an_eos_right_after_it(char_tok):
     tok = char_tok
     ended = [*tok.encode("x \\boxed{5}", add_special_tokens=False), tok.eos_token_id]
     assert _marked(tok, ended, "closing") == ["5", "}", "<|im_end|>"]
+    assert _marked(tok, ended, "closing_only") == ["}", "<|im_end|>"]
     dot = [*tok.encode("x \\boxed{5}.", add_special_tokens=False), tok.eos_token_id]
     assert _marked(tok, dot, "closing") == ["5", "}"]  # `.` and eos are format
+    assert _marked(tok, dot, "closing_only") == ["}"]
     assert "".join(_marked(tok, dot, "closing_line")) == "x \\boxed{5}.<|im_end|>"
     # padding after the eos is never the answer; one stop token at most
     padded = [*ended, tok.pad_token_id, tok.pad_token_id]
@@ -412,12 +422,16 @@ def test_merged_brace_token_is_masked_whole(bpe_tok):
     # the merged `}}. Done.` holds the content's last `}`: already the paper's answer token
     assert _marked(tok, ids, "boxed") == pieces[:4]
     assert _marked(tok, ids, "closing") == pieces
+    # closing_only: the token holding the closing `}`, whole (here it also holds the content's
+    # last `}`, so it is the paper's answer token too), and the eos
+    assert _marked(tok, ids, "closing_only") == pieces[3:]
     text = "so 3+4=7, the answer is \\boxed{12}."
     ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
     pieces = [tok.decode([i]) for i in ids]
     assert pieces[-3:] == [", the answer is \\boxed{12", "}.", "<|im_end|>"]
     assert _marked(tok, ids, "boxed") == [", the answer is \\boxed{12"]
     assert _marked(tok, ids, "closing") == pieces[-3:]
+    assert _marked(tok, ids, "closing_only") == pieces[-2:]
 
 
 @pytest.mark.parametrize("which", ["char_tok", "bpe_tok", "bpe_regex_tok", "shipped_tok"])
@@ -433,3 +447,8 @@ def test_default_span_is_the_papers_mask_bit_for_bit(request, which):
         closing = answer_mask_for_ids(tok, ids, span="closing")[0]
         assert torch.equal(closing & old, old)  # closing only adds tokens
         assert old.any() == (extract_boxed(text) is not None)
+        # closing_only is what closing adds to the paper's span (a closing character exists
+        # in all these texts but the unboxed ones)
+        only = answer_mask_for_ids(tok, ids, span="closing_only")[0]
+        assert torch.equal(closing, old | only), text
+        assert only.any() == (extract_boxed(text) is not None)
