@@ -255,8 +255,12 @@ def check_run_store(run_dir: Path, steps: dict[int, dict], served: dict) -> None
         assert table["reward"].mean() == pytest.approx(m["reward/total"])
         assert table["answer"].notna().mean() == pytest.approx(m["answers/extract_rate"])
         assert table["correct"].astype(float).mean() == pytest.approx(m["acc/train"])
-        # A_i as verl's GRPO step computed it (per prompt: mean 0; the batch's extremes)
-        assert table.groupby("prompt_id")["advantage"].sum().abs().max() < 1e-4
+        # A_i as verl's GRPO step computed it (per prompt: mean 0; the batch's extremes). A_i =
+        # (r_i - mean) / (std + 1e-6) in float32, so the group's sum carries the reward's round-off
+        # divided by its spread: mean 0 is checked in reward units, where that round-off is ~1e-7
+        group = table.groupby("prompt_id")
+        spread = group["reward"].std() + 1e-6
+        assert (group["advantage"].sum() * spread).abs().max() < 1e-5
         assert table["advantage"].max() == pytest.approx(m["critic/advantages/max"], abs=1e-5)
         assert table["advantage"].min() == pytest.approx(m["critic/advantages/min"], abs=1e-5)
 
