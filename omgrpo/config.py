@@ -298,8 +298,8 @@ class RewardConfig:
 @dataclass
 class AlgorithmConfig:
     """The algorithm section of both backends (verl reads `answer_weight`, `answer_span`,
-    `format_only` and `adv_eps`; its own actor keys hold the rest, see
-    `omgrpo.backends.verl.config`)."""
+    `top_entropy_quantile`, `random_mask`, `format_only` and `adv_eps`; its own actor keys hold
+    the rest, see `omgrpo.backends.verl.config`)."""
 
     answer_weight: float = 0.0
     """w >= 0: weight of answer-span tokens in the PG and KL terms (0 = OM-GRPO, 1 = vanilla
@@ -313,8 +313,19 @@ class AlgorithmConfig:
     study says otherwise), `closing` (also the token(s) that decide where the answer ends: the one
     holding the closing `}` -- whole, whatever it merged with, e.g. the toy BPE's `}.` -- and the
     eos right after it when the response ends there) or `closing_line` (the whole line holding the
-    last box, from its start, and that eos). Token-aligned through the tokenizer's offsets
-    (`omgrpo.core.spans.answer_char_span`)."""
+    last box, from its start, and that eos) or `closing_only` (the token holding the closing `}`,
+    whole, and the eos right after it, without the box's content: study v4's generic mask).
+    Token-aligned through the tokenizer's offsets (`omgrpo.core.spans.answer_char_span`)."""
+    top_entropy_quantile: float | None = None
+    """q in (0, 1] (TRL's name and meaning): only the response tokens whose entropy under the
+    sampling policy is at or above the step's (1 - q) quantile, over all the step's response
+    tokens, are trained; the others get weight 0 in the PG and KL terms (`mask/*` metrics;
+    `omgrpo.core.masks`). null: off. The `answer` token role stays `answer_span`."""
+    random_mask: str | None = None
+    """A span (`answer_span`'s values): per rollout, as many response tokens as that span holds
+    (0 without a well-formed box) are drawn uniformly and get weight 0 in the PG and KL terms;
+    the draw's generator is seeded from (seed, step, rollout), never the sampling RNG. null:
+    off. The `answer` token role stays `answer_span`."""
     format_only: bool = False
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
@@ -352,6 +363,24 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
         raise ValueError(
             f"unknown {prefix}.answer_span '{algo.answer_span}'; valid: {', '.join(ANSWER_SPANS)}"
         )
+    _validate_generic_masks(algo, prefix)
+
+
+def _validate_generic_masks(algo: DictConfig, prefix: str) -> None:
+    """`top_entropy_quantile` in (0, 1] or null, `random_mask` a span or null (a config
+    written before these keys existed has neither: off)."""
+    q = algo.get("top_entropy_quantile")
+    if q is not None and (isinstance(q, bool) or not isinstance(q, int | float) or not 0 < q <= 1):
+        raise ValueError(
+            f"{prefix}.top_entropy_quantile must be in (0, 1] (the share of the step's response "
+            f"tokens trained, e.g. 0.2) or null (off), got {q!r}"
+        )
+    span = algo.get("random_mask")
+    if span is not None and span not in ANSWER_SPANS:
+        raise ValueError(
+            f"unknown {prefix}.random_mask '{span}'; valid: {', '.join(ANSWER_SPANS)} (the span "
+            "whose token count each rollout's random mask draws) or null (off)"
+        )
 
 
 # (key, kind, minimum, maximum, null allowed): the ranges `check_values` enforces. "int" and
@@ -376,6 +405,7 @@ VALUE_RANGES: tuple[tuple[str, str, float | None, float | None, bool], ...] = (
     ("eval.batch_size", "int", 1, None, False),
     ("algorithm.clip", "float>", 0, None, False),
     ("algorithm.kl_coef", "float", 0, None, False),
+    ("algorithm.top_entropy_quantile", "float>", 0, 1, True),
     ("algorithm.ppo_epochs", "int", 1, None, False),
     ("algorithm.mini_batch_size", "int", 1, None, True),
     ("algorithm.micro_batch_size", "int", 1, None, True),

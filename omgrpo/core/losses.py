@@ -306,6 +306,7 @@ def grpo_loss(
     num_tokens: float | Tensor | None = None,
     entropy: Tensor | None = None,
     roles: dict[str, Tensor] | None = None,
+    token_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss with the Outcome-Masked Update (the paper's masked objective).
 
@@ -322,6 +323,9 @@ def grpo_loss(
       (default: ``m_t``, the paper's masked objective; also in format-only mode). A separate
       ``answer_kl_weight`` (e.g. 1 with ``w = 0``: mask the PG term, keep the KL anchor on the
       answer) lets a study separate the two masked terms.
+
+    - ``token_mask`` (the generic masks, `omgrpo.core.masks.token_mask`): its tokens get weight 0
+      in both terms, on top of the above.
 
     ``loss = agg(pg) + kl_coef * agg(kl)``, both aggregated over ``response_mask`` with the same
     denominator: masking never renormalises, so changing ``w`` leaves reasoning-token gradients
@@ -346,6 +350,8 @@ def grpo_loss(
         roles: optional name -> (B, T) bool masks of token roles (e.g. `result`, `format`,
             `other`; `omgrpo.core.step.Responses.role_masks`), for `kl/<name>` and
             `entropy/<name>` metrics only.
+        token_mask: optional (B, T) bool, tokens taken out of training (weight 0 in the PG and
+            KL terms; the aggregation's denominator is unchanged).
 
     Returns:
         ``(loss, metrics)``: 0-dim loss and python-float metrics ``loss/pg``, ``loss/kl``
@@ -362,6 +368,7 @@ def grpo_loss(
         "response_mask": response_mask,
         "answer_mask": answer_mask,
         "entropy": entropy,
+        "token_mask": token_mask,
     }
     _check_shapes(
         logprobs, per_token, {"advantages": advantages, "format_advantages": format_advantages}
@@ -376,6 +383,9 @@ def grpo_loss(
     adv_seq = advantages.detach().to(dtype).unsqueeze(-1)  # (B, 1)
     fmt_seq = None if format_advantages is None else format_advantages.detach()
     adv_tok = answer_token_advantages(adv_seq, answer, answer_weight, fmt_seq)
+    keep = None if token_mask is None else ~token_mask.bool()
+    if keep is not None:
+        adv_tok = torch.where(keep, adv_tok, torch.zeros_like(adv_tok))
 
     # Clipped surrogate.
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
@@ -395,6 +405,8 @@ def grpo_loss(
         kl_weights = (
             weights if kl_weight == answer_weight else token_weights(answer, kl_weight, dtype=dtype)
         )
+        if keep is not None:
+            kl_weights = torch.where(keep, kl_weights, torch.zeros_like(kl_weights))
         kl = agg_loss(k3 * kl_weights, resp, agg, num_tokens)
         loss = pg + kl_coef * kl
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
@@ -33,6 +34,7 @@ from omgrpo.core.diagnostics import (
     task_diagnostics,
 )
 from omgrpo.core.losses import group_advantages, grpo_loss
+from omgrpo.core.masks import mask_metrics, mask_spans, masked_tokens, masks_on, token_mask
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
@@ -45,6 +47,7 @@ __all__ = [
     "decode_responses",
     "extract_answer",
     "is_correct",
+    "masked_step",
     "score_step",
     "step_metrics",
 ]
@@ -81,6 +84,8 @@ class Responses:
     answers: list[str | None]  # (B,) content of the last \boxed{} (None: no answer)
     result_mask: torch.Tensor | None = None  # (B, T) bool: the last computed line's result
     format_mask: torch.Tensor | None = None  # (B, T) bool: the closing line (and eos), not answer
+    # span -> (B, T) bool: further spans the generic masks read (`omgrpo.core.masks.mask_spans`)
+    span_masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def role_masks(self) -> dict[str, torch.Tensor]:
         """(B, T) bool masks of the non-answer roles: `result` (the value the reasoning computed
@@ -115,6 +120,7 @@ class StepBatch:
     grader: Grader | None = None  # the step's grader (CAR diagnostics re-cluster with it)
     step_scores: list[StepScores] | None = None  # (B,) the PRM's step scores (reward `process`)
     process: list[float | None] | None = None  # (B,) their aggregate (None: unscored)
+    token_mask: torch.Tensor | None = None  # (B, T) bool: taken out by the generic masks
 
     def per_group(self, values: list) -> list[list]:
         """(B,) values as P lists, one per group."""
@@ -146,11 +152,13 @@ def decode_responses(
     mask: torch.Tensor,
     probe: TaskProbe | None = None,
     span: str = "boxed",
+    spans: Sequence[str] = (),
 ) -> Responses:
     """Decode each response, extract its boxed answer and mark the tokens of each role; the
     `result` role is the task's (`probe.result_span`; no probe: no result tokens). `span`: the
     answer span (`algorithm.answer_span`, `omgrpo.core.spans.ANSWER_SPANS`; not `boxed`: with
-    the special token, eos, right after it)."""
+    the special token, eos, right after it). `spans`: further spans to mark, alike
+    (`Responses.span_masks`)."""
     rows = [ids[i, : int(n)].tolist() for i, n in enumerate(mask.sum(-1).tolist())]
     texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
     # one batched re-tokenization for the offsets (a call per row cost ~0.5 s at 64 x 8)
@@ -159,7 +167,7 @@ def decode_responses(
     special = frozenset(tokenizer.all_special_ids)
     no_span = (0, 0)  # (start, end) of a missing span: overlaps no token
     answer_span, result_span, closing = [], [], []  # (B, 2), (B, 2), (B,)
-    answers = []
+    answers, boxes = [], []
     for i, (row, text) in enumerate(zip(rows, texts)):
         row_encoding = {k: encoded[k][i] for k in ("input_ids", "offset_mapping")}
         if row:
@@ -167,6 +175,7 @@ def decode_responses(
                 tokenizer, row, text, encoding=row_encoding, special=special
             )
         boxed = extract_boxed(text)
+        boxes.append(boxed)
         answer_span.append(answer_char_span(text, span, boxed) or no_span)
         result_span.append((probe.result_span(text) if probe else None) or no_span)
         # the closing line, to the end (eos has an empty offset there); none without a box
@@ -175,9 +184,14 @@ def decode_responses(
     offsets = torch.from_numpy(char_offsets)
     real = torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
     answer_mask = span_token_mask(offsets, torch.tensor(answer_span))
+    stop = real & torch.isin(ids.cpu(), torch.tensor(sorted(special), dtype=ids.dtype))
     if span != "boxed":  # the eos ending the response right after the answer
-        stop = real & torch.isin(ids.cpu(), torch.tensor(sorted(special), dtype=ids.dtype))
         answer_mask = with_stop_token(answer_mask, stop)
+    span_masks = {}
+    for other in spans:
+        chars = [answer_char_span(t, other, b) or no_span for t, b in zip(texts, boxes)]
+        other_mask = span_token_mask(offsets, torch.tensor(chars, dtype=torch.long).reshape(-1, 2))
+        span_masks[other] = other_mask if other == "boxed" else with_stop_token(other_mask, stop)
     return Responses(
         ids=ids,
         mask=mask,
@@ -186,6 +200,7 @@ def decode_responses(
         answers=answers,
         result_mask=span_token_mask(offsets, torch.tensor(result_span)),
         format_mask=real & (offsets[..., 0] >= torch.tensor(closing)[:, None]),
+        span_masks=span_masks,
     )
 
 
@@ -222,7 +237,9 @@ def score_step(
     """
     grader = grader if grader is not None else Grader.from_config(cfg.reward)
     span = cfg.algorithm.answer_span
-    responses = decode_responses(tokenizer, response_ids, response_mask, probe, span)
+    responses = decode_responses(
+        tokenizer, response_ids, response_mask, probe, span, mask_spans(cfg.algorithm)
+    )
     answers = responses.answers
     G = len(answers) // len(problems)
     coreward = "coreward" in cfg.reward.parts
@@ -321,11 +338,13 @@ def step_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """`grpo_loss` of the rows `idx` of a scored step under `algo` (`config.algorithm`), with
     the step's advantages, answer mask, format advantages and the full-batch `old_logprobs`,
-    `ref_logprobs` and `roles` indexed by `idx` and moved to the log-probs' device. Without
-    `old_logprobs` the ratio is 1; `kl_coef` overrides `algo.kl_coef` (0: the PG term alone).
-    The one place the native update and the mechanism probe build the loss."""
+    `ref_logprobs` and `roles` indexed by `idx` and moved to the log-probs' device, and the
+    generic masks' `token_mask`. Without `old_logprobs` the ratio is 1; `kl_coef` overrides
+    `algo.kl_coef` (0: the PG term alone). The one place the native update and the mechanism
+    probe build the loss."""
     device = logprobs.device
     fmt = batch.format_advantages
+    masked = batch.token_mask
     return grpo_loss(
         logprobs,
         logprobs.detach() if old_logprobs is None else old_logprobs[idx].to(device),
@@ -342,6 +361,24 @@ def step_loss(
         num_tokens=num_tokens,
         entropy=entropy,
         roles=None if roles is None else {k: v[idx].to(device) for k, v in roles.items()},
+        token_mask=None if masked is None else masked[idx].to(device),
+    )
+
+
+def masked_step(
+    batch: StepBatch, algo: Any, *, seed: int, step: int, entropy: torch.Tensor | None = None
+) -> tuple[StepBatch, dict[str, float]]:
+    """The generic masks of `algo` (`config.algorithm`; `omgrpo.core.masks`) on a scored step:
+    the batch with its `token_mask` (rollout index = row), and the `mask/*` metrics; the batch
+    unchanged and no metrics without a generic mask. `seed`, `step`: the random draw's;
+    `entropy`: (B, T) per-token entropy under the sampling policy (`top_entropy_quantile`)."""
+    if not masks_on(algo):
+        return batch, {}
+    r = batch.responses
+    mask = token_mask(algo, r.mask, seed=seed, step=step, entropy=entropy, spans=r.span_masks)
+    masked = masked_tokens(r.mask, r.answer_mask, algo.answer_weight, algo.format_only, mask)
+    return dataclasses.replace(batch, token_mask=mask), mask_metrics(
+        masked, r.mask, r.span_masks["boxed"]
     )
 
 

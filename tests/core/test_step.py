@@ -11,8 +11,17 @@ import torch
 from omgrpo.config import compose
 from omgrpo.core.answers import Grader, extract_boxed
 from omgrpo.core.car import CarResult
+from omgrpo.core.masks import random_token_mask, top_entropy_mask
 from omgrpo.core.spans import answer_mask_for_ids, response_offsets, span_token_mask
-from omgrpo.core.step import LoopState, decode_responses, is_correct, score_step, step_metrics
+from omgrpo.core.step import (
+    LoopState,
+    decode_responses,
+    is_correct,
+    masked_step,
+    score_step,
+    step_loss,
+    step_metrics,
+)
 from omgrpo.models.tokenizer import build_char_tokenizer
 from omgrpo.tasks import Problem
 from omgrpo.tasks.toy import ToyProbe, last_result_span
@@ -209,7 +218,7 @@ SPAN_TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("span", ["boxed", "closing", "closing_line"])
+@pytest.mark.parametrize("span", ["boxed", "closing", "closing_line", "closing_only"])
 def test_answer_span_choice_batched_equals_per_row_and_roles_partition(tok, span):
     ids, mask = with_eos(tok, SPAN_TEXTS)
     r = decode_responses(tok, ids, mask, ToyProbe(), span=span)
@@ -234,8 +243,12 @@ def test_closing_span_hand_computed_and_the_default_unchanged(tok):
     default = decode_responses(tok, ids, mask, ToyProbe())
     closing = decode_responses(tok, ids, mask, ToyProbe(), span="closing")
     line = decode_responses(tok, ids, mask, ToyProbe(), span="closing_line")
+    only = decode_responses(tok, ids, mask, ToyProbe(), span="closing_only")
     assert [text(i, default.answer_mask) for i in range(6)] == ["7", "", "", "22", "", "32"]
     assert [text(i, closing.answer_mask) for i in range(6)] == ["7}", "", "", "22}$", "", "32}"]
+    assert [text(i, only.answer_mask) for i in range(6)] == ["}", "", "", "}$", "", "}"]
+    # closing_only: the digits are the closing line's (`format`), the brace and eos the answer
+    assert text(0, only.role_masks()["format"]) == "So the answer is \\boxed{7.$"
     assert text(0, line.answer_mask) == "So the answer is \\boxed{7}.$"
     assert text(5, line.answer_mask) == "So the answer is \\boxed{32}. Done$"
     # the role split follows: the brace (and an eos right after it) leave `format`
@@ -246,6 +259,21 @@ def test_closing_span_hand_computed_and_the_default_unchanged(tok):
         span = None if boxed is None else boxed.span
         old = span_token_mask(response_offsets(tok, ids[i, : len(t) + 1], t), span)
         assert torch.equal(default.answer_mask[i, : len(t) + 1], old)
+
+
+def test_decode_responses_marks_further_spans_as_the_answer_span(tok):
+    """`spans`: each further span's mask equals the answer mask that span would give (the
+    generic masks read `boxed` and `random_mask`'s span); none asked, none made."""
+    ids, mask = with_eos(tok, SPAN_TEXTS)
+    assert decode_responses(tok, ids, mask, ToyProbe()).span_masks == {}
+    r = decode_responses(tok, ids, mask, ToyProbe(), "closing_only", ("boxed", "closing"))
+    assert set(r.span_masks) == {"boxed", "closing"}
+    for span, got in r.span_masks.items():
+        expected = decode_responses(tok, ids, mask, ToyProbe(), span=span).answer_mask
+        assert torch.equal(got, expected), span
+    # the answer span (and so the roles) is the configured one, whatever else is marked
+    plain = decode_responses(tok, ids, mask, ToyProbe(), "closing_only")
+    assert torch.equal(r.answer_mask, plain.answer_mask)
 
 
 @pytest.mark.slow
@@ -260,3 +288,75 @@ def test_score_step_reads_the_span_from_the_algorithm_section(tok):
         cfg = compose(["method=om_grpo_no_car"])
         cfg.algorithm.answer_span = "last"
         score_step(tok, ids, mask, PROMPTS, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# Study v4's generic masks on a scored step (`masked_step`), hand-computed on the char tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def _masked(tok, method, **kw):
+    ids, mask = with_eos(tok, TEXTS)
+    batch = score_step(tok, ids, mask, PROMPTS, compose([f"method={method}"]))
+    return batch, masked_step(batch, compose([f"method={method}"]).algorithm, **kw)
+
+
+@pytest.mark.slow
+def test_masked_step_leaves_a_step_without_generic_masks_alone(tok):
+    for method in ("om_grpo_no_car", "om_grpo_no_car_closing"):
+        batch, (out, metrics) = _masked(tok, method, seed=0, step=1)
+        assert out is batch and out.token_mask is None and metrics == {}
+        assert batch.responses.span_masks == {}
+
+
+@pytest.mark.slow
+def test_masked_step_closing_only_counts_its_span_as_masked(tok):
+    """w = 0 on `}` + eos: 5 boxed rows x 2 tokens of the step's response tokens; none of
+    them a digit of the box (one token per character)."""
+    _, (out, metrics) = _masked(tok, "om_grpo_no_car_closing_only", seed=0, step=1)
+    assert out.token_mask is None  # the answer weight masks it, as any span
+    answer = out.responses.answer_mask
+    n = int(out.responses.mask.sum())
+    assert n == sum(len(t) + 1 for t in TEXTS) and int(answer.sum()) == 10
+    assert metrics == {"mask/frac": pytest.approx(10 / n), "mask/answer_overlap": 0.0}
+
+
+@pytest.mark.slow
+def test_masked_step_random_mask_draws_the_boxed_span_size_per_rollout(tok):
+    batch, (out, metrics) = _masked(tok, "om_grpo_no_car_random_mask", seed=13, step=4)
+    r = out.responses
+    boxed = r.span_masks["boxed"]
+    assert torch.equal(boxed, r.answer_mask)  # the answer role stays the paper's span
+    assert out.token_mask.sum(-1).tolist() == boxed.sum(-1).tolist() == [1, 1, 0, 1, 1, 1]
+    assert torch.equal(out.token_mask, random_token_mask(r.mask, boxed.sum(-1), 13, 4))
+    resp = r.mask.bool()
+    assert metrics["mask/frac"] == pytest.approx(5 / int(resp.sum()))
+    overlap = float((out.token_mask & boxed).sum()) / 5
+    assert metrics["mask/answer_overlap"] == pytest.approx(overlap)
+    # the advantages, answer mask and roles are the scored step's
+    assert torch.equal(out.advantages, batch.advantages)
+
+
+@pytest.mark.slow
+def test_masked_step_top_entropy_and_the_loss_it_feeds(tok):
+    ids, _ = with_eos(tok, TEXTS)
+    entropy = torch.rand(ids.shape, generator=torch.Generator().manual_seed(0))
+    batch, (out, metrics) = _masked(
+        tok, "om_grpo_no_car_top_entropy", seed=0, step=1, entropy=entropy
+    )
+    r = out.responses
+    assert torch.equal(out.token_mask, top_entropy_mask(entropy, r.mask, 0.2))
+    resp = r.mask.bool()
+    kept = int((resp & ~out.token_mask).sum())
+    assert abs(kept - 0.2 * int(resp.sum())) <= 1
+    assert metrics["mask/frac"] == pytest.approx(1 - kept / int(resp.sum()))
+    # step_loss hands the mask to grpo_loss: no gradient through masked tokens
+    algo = compose(["method=om_grpo_no_car_top_entropy"]).algorithm
+    logp = (-torch.rand(ids.shape) - 0.1).requires_grad_(True)
+    idx = torch.arange(len(TEXTS))
+    loss, _ = step_loss(out, idx, logp, r.mask, algo, r.mask.sum())
+    (grad,) = torch.autograd.grad(loss, logp)
+    trained = resp & ~out.token_mask & (out.advantages[:, None] != 0)
+    assert (grad[out.token_mask] == 0).all() and (grad[trained] != 0).all()
+    with pytest.raises(ValueError, match="needs the step's per-token entropy"):
+        masked_step(batch, algo, seed=0, step=1)
