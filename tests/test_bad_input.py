@@ -21,11 +21,15 @@ from omgrpo.errors import InputError, check_int, check_number, inside
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Every file and folder under root: path -> sha256 (folders: 'dir')."""
+    """Every file and folder under root: path -> sha256 (folders: 'dir', symbolic links: where
+    they point)."""
     out = {}
     for path in sorted(root.rglob("*")):
         rel = str(path.relative_to(root))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        if path.is_symlink():
+            out[rel] = f"-> {path.readlink()}"
+        else:
+            out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
     return out
 
 
@@ -739,3 +743,93 @@ def test_eval_refuses_a_damaged_export_before_loading_it(
         ["eval", "m", "--suite", "s.yaml"], tmp_path, capsys, monkeypatch, _export_dir(change)
     )
     assert names in err
+
+
+# -- data prepare: every source read before anything is written; no file replaced unasked ----------
+def _prepare_setup(root: Path) -> None:
+    ok = json.dumps(OK_ROW) + "\n"
+    files = {
+        "ok.jsonl": ok,
+        "empty.jsonl": "",
+        "blank.jsonl": "\n\n",
+        "truncated.jsonl": ok[: len(ok) // 2],
+        "nan.jsonl": '{"question": "q", "answer": NaN}\n',
+        "inf.jsonl": '{"question": "q", "answer": -Infinity}\n',
+        "list.jsonl": '{"question": "q", "answer": [1, 2]}\n',
+        "number-question.jsonl": '{"question": 5, "answer": "1"}\n',
+        "huge.jsonl": '{"question": "q", "answer": ' + "9" * 5000 + "}\n",
+        "dup.jsonl": "".join(json.dumps({**OK_ROW, "id": "a"}) + "\n" for _ in range(2)),
+        "object.json": '{"a": 1}',
+        "broken.json": '[{"question": "q"',
+        "rows.csv": "question,answer\nq,1\n",
+        "bad.yaml": "benchmarks: [\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    (root / "not-utf8.jsonl").write_bytes(b'{"question": "\xff", "answer": "1"}\n')
+    (root / "truncated.parquet").write_bytes(b"PAR1\x00\x00")
+    (root / "sub").mkdir()
+    (root / "sub" / "ok.jsonl").write_text(ok)
+    (root / "folder.jsonl").mkdir()
+    (root / "dangling.jsonl").symlink_to(root / "nowhere.jsonl")
+    (root / "out").mkdir()
+    (root / "out" / "ok.parquet").write_text("an earlier preparation\n")
+    (root / "afile").write_text("x")
+
+
+PREPARE = [
+    ("nothing", [], "nothing to prepare"),
+    ("no-such-file", ["nothere.jsonl"], "nothere.jsonl"),
+    ("empty-file", ["empty.jsonl"], "empty.jsonl: no rows"),
+    ("blank-lines-only", ["blank.jsonl"], "blank.jsonl: no rows"),
+    ("truncated-jsonl", ["truncated.jsonl"], "truncated.jsonl, line 1: invalid JSON"),
+    ("nan-answer", ["nan.jsonl"], "nan.jsonl, line 1: answer is nan"),
+    ("inf-answer", ["inf.jsonl"], "inf.jsonl, line 1: answer is -inf"),
+    ("list-answer", ["list.jsonl"], "list.jsonl, line 1"),
+    ("number-question", ["number-question.jsonl"], "number-question.jsonl, line 1"),
+    ("5000-digit-number", ["huge.jsonl"], "huge.jsonl, line 1: invalid JSON"),  # a traceback
+    ("duplicate-ids", ["dup.jsonl"], "duplicate id 'a'"),
+    ("json-not-a-list", ["object.json"], "object.json: expected a JSON list"),
+    ("json-truncated", ["broken.json"], "broken.json: invalid JSON"),
+    ("parquet-truncated", ["truncated.parquet"], "truncated.parquet: not a readable Parquet"),
+    ("csv", ["rows.csv"], "rows.csv: unsupported dataset format"),
+    ("not-utf8", ["not-utf8.jsonl"], "not-utf8.jsonl, line 1: not valid UTF-8"),
+    ("a-folder", ["folder.jsonl"], "folder.jsonl: a directory"),
+    ("dangling-symlink", ["dangling.jsonl"], "dangling.jsonl"),
+    ("same-name-twice", ["ok.jsonl", "sub/ok.jsonl"], "two sources would write the same file"),
+    ("out-file-exists", ["ok.jsonl", "--out", "out"], "out/ok.parquet"),  # replaced unasked
+    ("out-a-file", ["ok.jsonl", "--out", "afile"], "afile: --out: not a folder"),
+    ("limit-zero", ["ok.jsonl", "--limit", "0"], "--limit (found 0"),
+    ("limit-negative", ["ok.jsonl", "--limit", "-2"], "--limit (found -2"),
+    ("unknown-toy-split", ["toy:dev"], "'toy:dev': unknown toy split"),
+    ("toy-split-dotdot", ["toy:../x"], "'toy:../x': unknown toy split"),
+    ("override-without-toy", ["ok.jsonl", "seed=1"], "apply to toy:<split> sources only"),
+    ("override-unknown-key", ["toy:train", "nokey=1"], "nokey"),
+    ("override-bad-type", ["toy:train", "task.n_train=abc"], "task.n_train=abc"),
+    ("override-out-of-range", ["toy:train", "task.n_train=0"], "task.n_train (found 0"),
+    ("suite-not-found", ["--suite", "nothere.yaml"], "nothere.yaml: suite file not found"),
+    ("suite-broken", ["--suite", "bad.yaml"], "bad.yaml, line 2, column 1: not valid YAML"),
+    ("suite-unknown", ["--suite", "nosuch"], "--suite: unknown suite"),
+    ("unknown-column", ["ok.jsonl", "--question-key", "nope"], "no 'nope' column"),
+    ("gsm8k-without-hashes", ["ok.jsonl", "--answer-format", "gsm8k"], "without a final '####"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), [r[1:] for r in PREPARE], ids=[r[0] for r in PREPARE])
+def test_data_prepare_refuses_before_writing(tmp_path, capsys, monkeypatch, args, names):
+    if "--out" not in args:
+        args = [*args, "--out", "new"]
+    argv = ["data", "prepare", "--backend", "verl", *args]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, _prepare_setup)
+    assert names in err
+
+
+def test_data_prepare_replaces_its_files_only_with_force(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _prepare_setup(tmp_path)
+    (tmp_path / "out" / "keep.txt").write_text("someone else's\n")
+    argv = ["data", "prepare", "--backend", "verl", "ok.jsonl", "--out", "out", "--force"]
+    assert cli.main(argv) == 0
+    assert (tmp_path / "out" / "ok.parquet").read_bytes().startswith(b"PAR1")
+    assert (tmp_path / "out" / "keep.txt").read_text() == "someone else's\n"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left

@@ -193,7 +193,8 @@ def _prepare(ns) -> int:
 
     from omgrpo.eval.prepare import parse_sources, prepare
 
-    check_int(ns.limit, "--limit", minimum=1, allow_none=True)
+    if ns.limit is not None:
+        check_int(ns.limit, "--limit", minimum=1)
     # KEY=VALUE (Hydra's override syntax) that is not a file: a config override
     is_override = [re.match(r"^[\w.+~/-]+=", a) and not Path(a).exists() for a in ns.sources]
     overrides = [a for a, o in zip(ns.sources, is_override) if o]

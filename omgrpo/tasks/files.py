@@ -111,6 +111,8 @@ def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
             data = json.loads(_utf8(path.read_bytes(), f"{path}"))
         except json.JSONDecodeError as e:
             raise InputError(f"invalid JSON ({e.msg}, line {e.lineno})", file=path) from e
+        except ValueError as e:  # json's own limits: an integer of more than 4300 digits
+            raise InputError(f"invalid JSON ({e})", file=path) from e
         if not isinstance(data, list):
             raise InputError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
         for i, row in enumerate(data):
@@ -126,6 +128,8 @@ def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise InputError(f"{where}: invalid JSON ({e.msg})") from e
+                except ValueError as e:  # an integer of more than 4300 digits
+                    raise InputError(f"{where}: invalid JSON ({e})") from e
     else:
         raise InputError(
             f"{path}: unsupported dataset format '{suffix}' (use .jsonl, .json, .parquet)"
