@@ -41,6 +41,10 @@ EXPECTED = {
     "om_grpo_closing": (SV, 0.0, False, True, 8),
     "om_grpo_no_car_closing": (SV, 0.0, False, False, 8),
     "om_grpo_no_car_closing_line": (SV, 0.0, False, False, 8),
+    # study v4's generic masks (PREREGISTRATION-v4's arm table)
+    "om_grpo_no_car_closing_only": (SV, 0.0, False, False, 8),
+    "om_grpo_no_car_top_entropy": (SV, 1.0, False, False, 8),
+    "om_grpo_no_car_random_mask": (SV, 1.0, False, False, 8),
     "prm": (["process", "format"], 1.0, False, False, 8),
     "prm_om": (["process", "format"], 0.0, False, False, 8),
     "prm_last": (["process", "format"], 1.0, False, False, 8),
@@ -96,8 +100,15 @@ def test_every_method_composes_at_every_scale(method, experiment):
     assert cfg.rollout.n == n  # method presets win over the scale's G
     assert cfg.algorithm.answer_kl_weight == (1.0 if method == "om_grpo_kl_anchor" else None)
     # only the closing-span presets leave the paper's answer span
-    span = next((s for s in ("closing_line", "closing") if method.endswith(f"_{s}")), "boxed")
+    spans = ("closing_line", "closing_only", "closing")
+    span = next((s for s in spans if method.endswith(f"_{s}")), "boxed")
     assert cfg.algorithm.answer_span == span
+    # only study v4's generic-mask presets mask more than the answer span
+    top_entropy = 0.2 if method == "om_grpo_no_car_top_entropy" else None
+    assert cfg.algorithm.top_entropy_quantile == top_entropy
+    assert cfg.algorithm.random_mask == (
+        "boxed" if method == "om_grpo_no_car_random_mask" else None
+    )
 
 
 @pytest.mark.parametrize("experiment", PAPER)
