@@ -450,18 +450,7 @@ def _every_validation(
         )  # fmt: skip
     if not rows:
         return replace(final, verdict="not run", per_validation=())
-    count = {v: sum(r["verdict"] == v for r in rows) for v in ("confirmed", "refuted")}
-    combined = (
-        "refuted"
-        if count["refuted"]
-        else "confirmed"
-        if count["confirmed"] == len(rows)
-        else "inconclusive"
-    )
-    text = (
-        f"{combined}, at every validation ({count['confirmed']} of {len(rows)} confirmed, "
-        f"{count['refuted']} refuted)"
-    )
+    text = _combined_verdict(rows, _expected_validations(p, spec), final.verdict == "not run")
     pvals = (max(r["p"][0] for r in rows), min(r["p"][1] for r in rows))
     for r in rows:
         r["p"] = (round(r["p"][0], 6), round(r["p"][1], 6))
@@ -471,6 +460,33 @@ def _every_validation(
         p_one_sided=(round(pvals[0], 6), round(pvals[1], 6)),
         per_validation=tuple(rows),
     )
+
+
+def _expected_validations(p: Mapping, spec: Mapping) -> list[int] | None:
+    """The validation steps after the prediction's start up to the last final step, from the
+    block's `validation_every` (None without it)."""
+    every = spec.get("validation_every")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        return None
+    start = p.get("start_step", spec["start_step"])
+    return list(range(start + every, max(spec["final_steps"]) + 1, every))
+
+
+def _combined_verdict(rows: list[dict], expected: list[int] | None, no_final: bool) -> str:
+    """Refuted if refuted at any validation; confirmed if confirmed at every one, and every
+    expected validation (the final window included) is there; else inconclusive, or not run
+    where validations are missing (an unfinished run)."""
+    count = {v: sum(r["verdict"] == v for r in rows) for v in ("confirmed", "refuted")}
+    seen = {r["step"] for r in rows}
+    missing = no_final or (expected is not None and bool(set(expected) - seen))
+    of = len(expected) if expected is not None else len(rows)
+    tail = f"{count['confirmed']} of {of} confirmed, {count['refuted']} refuted"
+    if count["refuted"]:
+        return f"refuted, at every validation ({tail})"
+    if missing:
+        return f"not run, at every validation ({len(rows)} of {of} validations there; {tail})"
+    combined = "confirmed" if count["confirmed"] == len(rows) else "inconclusive"
+    return f"{combined}, at every validation ({tail})"
 
 
 def _judge_event(df: pd.DataFrame, p: Mapping, spec: Mapping) -> Verdict:
@@ -932,7 +948,8 @@ def write_study_report(
     checks = base_checks(run_dirs)
     lines = _header(spec, command, seconds, runs, df)
     lines += _warnings(run_dirs if interim else None, [by_id[g] for g in failed])
-    lines += ["## Predictions", "", verdict_table(verdicts, prediction_texts(prereg)), ""]
+    texts = prediction_texts(prereg)
+    lines += ["## Predictions", "", verdict_table(_in_text_order(verdicts, spec, texts), texts), ""]
     lines += holm_note(spec)
     lines += errata_section(Path(prereg))
     lines += every_validation_section(verdicts)
@@ -963,6 +980,15 @@ def write_study_report(
     summary["wall_time"] = wall
     (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return out / "report.md"
+
+
+def _in_text_order(verdicts: list[Verdict], spec: Mapping, texts: Mapping) -> list[Verdict]:
+    """With event predictions (judged after the others), the table follows the order of the
+    pre-registration's own table (rows it does not name last); otherwise the block's order."""
+    if not spec.get("event_predictions"):
+        return verdicts
+    order = {pid: i for i, pid in enumerate(texts)}
+    return sorted(verdicts, key=lambda v: order.get(v.id, len(order)))
 
 
 def _version(spec: Mapping) -> float:

@@ -480,6 +480,28 @@ def test_at_every_validation_confirms_only_if_every_validation_does():
     assert v.verdict == "inconclusive, at every validation (2 of 3 confirmed, 0 refuted)"
 
 
+def test_at_every_validation_is_not_confirmed_before_the_runs_are_complete():
+    """An unfinished grid: confirmed at every validation so far is "not run", never
+    "confirmed"; a validation missing from `validation_every`'s steps too; a refutation
+    counts at once."""
+    spec = {"start_step": 0, "final_steps": [20, 30], "train_window": 2}
+    pred = _pred(measure="change", metric="val/acc", a="null", at_every_validation=True,
+                 expect=["abs<", 0.03])  # fmt: skip
+    near = {0: 0.5, 10: 0.5, 20: 0.51}
+    df = pd.concat([_val_run("w", "null", s, near | {10: 0.5 + 0.005 * s}) for s in range(3)])
+    (v,) = judge_predictions(df, {**spec, "predictions": [pred]})  # no step-30 validation
+    assert (
+        v.verdict
+        == "not run, at every validation (2 of 2 validations there; 2 of 2 confirmed, 0 refuted)"
+    )
+    full = pd.concat([_val_run("w", "null", s, near | {30: 0.5}) for s in range(3)])
+    (v,) = judge_predictions(full, {**spec, "validation_every": 5, "predictions": [pred]})
+    assert v.verdict.startswith("not run, at every validation (3 of 6 validations there")
+    far = pd.concat([_val_run("w", "null", s, {0: 0.5, 10: 0.6 + 0.01 * s}) for s in range(3)])
+    (v,) = judge_predictions(far, {**spec, "predictions": [pred]})
+    assert v.verdict == "refuted, at every validation (0 of 1 confirmed, 1 refuted)"
+
+
 def test_route_open_needs_the_next_validation_except_at_the_censor_step():
     rule = {"metric": "val/guess_rate_hard", "rise_above": 0.3, "from_step": 0}
 
@@ -653,8 +675,8 @@ def _write_run(root, world, method, seed, guess, acc, collapse_from=None):
 
 
 V4_LIKE = """| C2 | w | the null stays within 0.03 at every validation |
-| K1 | w | MV's guess rate rises by more than 0.3 |
 | K2 | w | the detector fires in fewer than half of the units |
+| K1 | w | MV's guess rate rises by more than 0.3 |
 | E1 | w | the route opens in more than half of the units |
 
 ```yaml
@@ -714,6 +736,7 @@ def test_study_report_end_to_end_on_a_small_v4_like_study(tmp_path, capsys):
     assert "| C2 | the null stays within 0.03 at every validation |" in text
     assert "confirmed, at every validation (3 of 3 confirmed, 0 refuted) | – | – |" in text
     k2 = next(line for line in text.splitlines() if line.startswith("| K2 |"))
+    assert text.index("| K2 |") < text.index("| K1 |")  # the pre-registration's table order
     # 1 of 6 fired: CP (0.004, 0.641); p = P(X <= 1) = 7/64 and P(X >= 1) = 63/64; Holm over
     # {K1, K2}: K2's is the smaller predicted-side p, adjusted 2 x 7/64
     assert "| +0.167 | +0.004 to +0.641 | 6 | inconclusive | 0.109 / 0.984 |" in k2
