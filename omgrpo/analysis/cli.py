@@ -149,7 +149,10 @@ def study_report_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Mark a pre-registered study's predictions confirmed / refuted / "
-        "inconclusive from its runs, with figures and the bases' checks.",
+        "inconclusive from its runs, with figures and the bases' checks; where the "
+        "pre-registration's YAML block asks for them (omgrpo/analysis/study.py), verdicts at "
+        "every validation, time to event, a Holm column and per-base rows. A key the block "
+        "may not hold is refused (exit 2). summary.json records the runs' wall time.",
     )
     parser.add_argument("runs", nargs="+", help="run directories or folders of them")
     parser.add_argument("--prereg", required=True, help="the PREREGISTRATION.md file")
