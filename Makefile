@@ -123,8 +123,8 @@ durations: setup
 	  $(VENV)/bin/pytest -q $(XDIST) --durations=0 --durations-min=0.5 -p no:cacheprovider \
 	  | sed -En '/slowest durations/,/short test summary|^[0-9]+ (passed|failed)/p'; } > tests/durations.txt
 
-# The collapse study v2's central comparison in the shortcut world (sweeps/collapse_demo.yaml):
-# the shuffled-advantage null, majority voting and OM-GRPO (w = 0, the paper's span), 150 steps
+# Three arms of the collapse studies' central comparison (v2's settings, which v3 kept but for
+# 16 validation samples) in the shortcut world (sweeps/collapse_demo.yaml): the shuffled-advantage null, majority voting and OM-GRPO (w = 0, the paper's span), 150 steps
 # each with the study's calibrated settings from the shipped shortcut base, 3 runs at once on one
 # thread each, then the report (what happened, in words), summary.json and the figures. More
 # seeds: make demo DEMO_SEEDS="0 1 2". Finished runs are skipped when run again.
