@@ -73,16 +73,27 @@ def resume_relevant(key: str) -> bool:
     return key not in RESUME_IGNORED_KEYS and not key.startswith(RESUME_IGNORED_SECTIONS)
 
 
+_ABSENT = "<absent>"
+
+
 def config_diff(saved: dict, current: dict) -> list[str]:
     """Keys whose values differ (or exist on one side only), leaving out the settings that do
-    not change training (`resume_relevant`)."""
+    not change training (`resume_relevant`). A key absent on one side and null on the other is
+    the same setting: a key added later with a null default (off), e.g.
+    `algorithm.top_entropy_quantile`, is absent from the config of a run written before it
+    existed, which then still resumes (and counts as finished under the same config)."""
     a, b = flatten(saved), flatten(current)
     keys = sorted(k for k in set(a) | set(b) if resume_relevant(k))
     return [
-        f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+        f"{k}: {a.get(k, _ABSENT)!r} -> {b.get(k, _ABSENT)!r}"
         for k in keys
-        if a.get(k, "<absent>") != b.get(k, "<absent>")
+        if _setting(a, k) != _setting(b, k)
     ]
+
+
+def _setting(flat: dict, key: str) -> Any:
+    """The value of `key` as a setting: an absent key reads as null."""
+    return flat.get(key)
 
 
 def rng_state() -> dict[str, Any]:

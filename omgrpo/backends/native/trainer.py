@@ -43,17 +43,19 @@ from omgrpo.console import TRAIN_FIELDS, Progress
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
 from omgrpo.core.diagnostics import CollapseDetector
+from omgrpo.core.losses import token_logprobs_and_entropy
 from omgrpo.core.step import (
     LoopState,
     StepBatch,
     decode_responses,
+    masked_step,
     rollout_table,
     score_step,
     step_metrics,
 )
 from omgrpo.generation.car import generate_pair_answers
 from omgrpo.generation.engine import stream_seed
-from omgrpo.generation.rollout import Sequences, response_logprobs
+from omgrpo.generation.rollout import Sequences, response_logits, response_logprobs
 from omgrpo.tasks import Problem, task_probe
 from omgrpo.tracking.store import RunStore
 
@@ -175,14 +177,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         problems = problems + [_paraphrased(p) for p in problems]
     seqs, car = generate(run, problems, state.step, timer)
     need_stats = bool(STATS_REWARDS & set(cfg.reward.parts))
-    # with a single update per step the old policy is the updated one: the update reuses its
-    # own forward for the old log-probs (no extra pass)
-    old = {"logprobs": None}
-    if need_stats or not single_update(cfg.algorithm, len(seqs)):
-        with timer("old_logprob"):
-            old = response_logprobs(
-                policy, seqs, cfg.algorithm.micro_batch_size, with_stats=need_stats
-            )
+    old, entropy = old_pass(run, seqs, timer, need_stats)
     ref_logprobs = None
     if run.has_reference:  # a frozen copy, or with LoRA the policy with its adapters off
         with timer("ref_logprob"), run.reference() as reference:
@@ -205,6 +200,10 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         batch = shuffled_advantages(
             batch, torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
         )
+    # the generic masks (study v4): tokens out of both terms, for the update and the probes
+    batch, mask_metrics = masked_step(
+        batch, cfg.algorithm, seed=cfg.seed, step=state.step, entropy=entropy
+    )
     probe = step_probes(run, state.step, timer, seqs, batch, ref_logprobs)
     with timer("update"):
         policy.train()
@@ -226,6 +225,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         "train/epoch": (state.step - 1) // run.steps_per_epoch,
         "train/skipped_steps": state.skipped,
         **step_metrics(batch, state, cfg.collapse.confident_share, task_hook),
+        **mask_metrics,
         **update,
         **probe,
         "lr": run.scheduler.get_last_lr()[0],
@@ -236,6 +236,57 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
     metrics["mem/peak_gb"] = _peak_memory_gb(run.device)
     metrics["perf/tokens_per_s"] = float(seqs.response_mask.sum()) / timer.seconds["gen"]
     return batch, metrics
+
+
+def old_pass(
+    run: Run, seqs: Sequences, timer: StageTimer, need_stats: bool
+) -> tuple[dict[str, torch.Tensor | None], torch.Tensor | None]:
+    """The old policy's pass over the step's rollouts, when one is needed: `(old, entropy)`.
+
+    `old["logprobs"]`: the old log-probs the update's ratio uses, None with a single update per
+    step (the old policy is then the updated one: the update reuses its own forward); with
+    `need_stats` (a reward reads them) also the per-token `entropy` and `self_certainty`.
+    `entropy`: with `algorithm.top_entropy_quantile`, the per-token entropy under the sampling
+    policy (these weights, before the update, at `rollout.temperature`, as verl's old-log-prob
+    pass and TRL compute it; `sampling_entropy`), else None. Its pass leaves the update's
+    ratio as it was (1 with a single update)."""
+    algo, temperature = run.cfg.algorithm, float(run.cfg.rollout.temperature)
+    ratio_pass = need_stats or not single_update(algo, len(seqs))
+    top_entropy = algo.get("top_entropy_quantile") is not None
+    # at temperature 1 the old pass's own entropy is the sampling policy's: one pass for both
+    shared = top_entropy and temperature == 1.0
+    old: dict[str, torch.Tensor | None] = {"logprobs": None}
+    if not (ratio_pass or top_entropy):
+        return old, None
+    entropy = None
+    with timer("old_logprob"):
+        if ratio_pass or shared:
+            old = response_logprobs(
+                run.policy, seqs, algo.micro_batch_size, with_stats=need_stats or shared
+            )
+        if top_entropy:
+            entropy = old["entropy"] if shared else sampling_entropy(run, seqs, temperature)
+    if shared and not ratio_pass:
+        old = {"logprobs": None}  # computed for the entropy only
+    return old, entropy
+
+
+def sampling_entropy(run: Run, seqs: Sequences, temperature: float) -> torch.Tensor:
+    """(B, T) entropy of each response token's distribution at `temperature` (the rollouts'
+    sampling distribution before top-p), under the current weights, without grad; 0 at
+    temperature 0 (greedy). On the CPU, micro-batched as the old pass."""
+    step = run.cfg.algorithm.micro_batch_size or len(seqs)
+    out = []
+    with torch.no_grad():
+        for i in range(0, len(seqs), step):
+            part = seqs.select(slice(i, i + step))
+            logits = response_logits(run.policy, part).float()
+            if temperature <= 0:
+                out.append(torch.zeros(logits.shape[:-1]))
+                continue
+            tokens = part.response_ids.to(logits.device)
+            out.append(token_logprobs_and_entropy(logits / temperature, tokens)[1].cpu())
+    return torch.cat(out)
 
 
 def generate(

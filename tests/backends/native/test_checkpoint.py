@@ -82,6 +82,24 @@ def test_only_settings_that_change_training_block_a_resume():
     assert config_diff(CONFIG, moved) == ["eval.every: 10 -> 5", "optim.lr: 0.001 -> 0.5"]
 
 
+def test_a_key_absent_on_one_side_and_null_on_the_other_is_the_same_setting():
+    """A run written before `algorithm.top_entropy_quantile` / `random_mask` existed has neither
+    key; today's config has both, null (off): the same setting, so the run still resumes (and,
+    finished, is skipped rather than refused). A value on one side is a change, either way."""
+    old = {"algorithm": {"answer_weight": 0.0}, "optim": {"lr": 1e-3}}
+    new = {
+        "algorithm": {"answer_weight": 0.0, "top_entropy_quantile": None, "random_mask": None},
+        "optim": {"lr": 1e-3},
+    }
+    assert config_diff(old, new) == [] and config_diff(new, old) == []
+    new["algorithm"]["random_mask"] = "boxed"
+    assert config_diff(old, new) == ["algorithm.random_mask: '<absent>' -> 'boxed'"]
+    assert config_diff(new, old) == ["algorithm.random_mask: 'boxed' -> '<absent>'"]
+    # a value that is not null is never the absent key's: 0 and False are settings
+    assert config_diff({"a": 1}, {"a": 1, "b": 0}) == ["b: '<absent>' -> 0"]
+    assert config_diff({"a": 1, "b": False}, {"a": 1}) == ["b: False -> '<absent>'"]
+
+
 def test_an_exception_marks_the_run_failed_but_a_refusal_does_not(tmp_path):
     store = RunStore(tmp_path)
     with pytest.raises(KeyError), store.recording_failures():

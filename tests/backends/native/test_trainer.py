@@ -71,6 +71,8 @@ def test_unknown_reward_is_rejected_before_any_work(tiny_overrides):
         ("rollout.n=1", "rollout.n must be >= 2"),
         ("algorithm.answer_weight=-1", "answer_weight must be >= 0"),
         ("rollout.max_batch_tokens=0", "rollout.max_batch_tokens must be >= 1 or null"),
+        ("algorithm.top_entropy_quantile=1.5", r"top_entropy_quantile must be in \(0, 1\]"),
+        ("algorithm.random_mask=last", "unknown algorithm.random_mask 'last'"),
     ],
 )
 def test_bad_config_values_fail_fast(tiny_overrides, override, message):
@@ -237,3 +239,101 @@ def test_every_logged_metric_is_in_the_metric_table(tiny_overrides, metric_table
     process = ("line_acc", "informativeness", "support", "chain_acc", "guess_truncated")
     assert {f"{p}/{m}_easy" for p in ("answers", "val") for m in process} <= names
     assert not any(n.endswith(("_sum", "_count")) for n in names)  # only the means are logged
+
+
+# ----------------------------------------------------------------------------------------------
+# Study v4's generic masks, trained: on the shipped toy base (it boxes its answers, so the spans
+# the masks read are not empty), 2 prompts x 4 rollouts a step
+# ----------------------------------------------------------------------------------------------
+
+
+def _shipped(tmp_path, base_cache, method, *extra):
+    return compose(
+        [
+            "task.n_val=8",
+            "eval.every=0",
+            "trainer.prompts_per_step=2",
+            "rollout.n=4",
+            "trainer.progress=false",
+            "tracking.mlflow=false",
+            "tracking.wandb=false",
+            "optim.lr=1e-4",
+            f"model.cache_dir={base_cache}",
+            f"run.root={tmp_path / 'runs'}",
+            f"method={method}",
+            *extra,
+        ]
+    )
+
+
+def _trained(run_dir):
+    df = RunStore(run_dir).read_metrics()
+    assert (df["answers/extract_rate"] > 0.5).all() and df["grad/norm"].notna().all()
+    return df
+
+
+def test_closing_only_masks_the_closing_token_and_eos(tmp_path, base_cache):
+    run = train(_shipped(tmp_path, base_cache, "om_grpo_no_car_closing_only", "trainer.steps=1"))
+    df = _trained(run)
+    # w = 0 on the answer role, which is the closing_only span: what is masked is the answer
+    assert (df["mask/frac"] > 0).all()
+    assert df["mask/frac"].tolist() == pytest.approx(df["answer/frac"].tolist(), rel=1e-12)
+    # the toy BPE's `}.` holds no digit: none of the box's content is masked
+    assert (df["mask/answer_overlap"] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_entropy_trains_the_steps_top_fifth(tmp_path, base_cache, temperature):
+    cfg = _shipped(
+        tmp_path,
+        base_cache,
+        "om_grpo_no_car_top_entropy",
+        "trainer.steps=1",
+        f"rollout.temperature={temperature}",
+    )
+    df = _trained(train(cfg))
+    # about 80% of the step's response tokens masked: at most 80% and a token (8 rollouts of
+    # >= 10 tokens), fewer when entropies tie at the threshold (the rollouts of a prompt share
+    # their first tokens' contexts, so those entropies tie), which are all trained
+    assert 0.7 < df["mask/frac"].iloc[0] <= 0.8 + 0.0125
+    assert 0 <= df["mask/answer_overlap"].iloc[0] <= 1
+    assert df["answer/frac"].iloc[0] > 0  # the answer role is still the paper's span
+
+
+def test_random_mask_is_the_answers_size_and_resumes_exactly(tmp_path, base_cache, metric_table):
+    common = ["trainer.steps=2", "trainer.save_every=1"]
+    method = "om_grpo_no_car_random_mask"
+    full = train(_shipped(tmp_path, base_cache, method, *common, "run.name=full"))
+    df = _trained(full)
+    # per rollout as many tokens as its boxed span (the answer role, w = 1 here) holds
+    assert df["mask/frac"].tolist() == pytest.approx(df["answer/frac"].tolist(), rel=1e-12)
+    assert (df["mask/answer_overlap"] < 0.5).all()  # random tokens are mostly reasoning
+    assert metric_table.undocumented(set(df.columns), "native") == []
+    # the draw is a function of (seed, step, rollout): a killed run resumes it exactly
+    killed = train(_shipped(tmp_path, base_cache, method, *common, "run.name=k"), stop_after=1)
+    train(_shipped(tmp_path, base_cache, method, *common, "run.name=k", "run.resume=true"))
+    pd.testing.assert_frame_equal(_metrics(full), _metrics(killed))
+
+
+def test_a_finished_run_from_before_the_mask_keys_is_skipped_not_refused(tiny_overrides):
+    """A run whose config.yaml has no `algorithm.top_entropy_quantile` / `random_mask` (written
+    before they existed) is the same config as today's, where both are null (off)."""
+    cfg = compose([*tiny_overrides, "trainer.steps=1", "run.name=old"])
+    run = train(cfg)
+    path = run / "config.yaml"
+    text = path.read_text()
+    old = "".join(
+        line
+        for line in text.splitlines(keepends=True)
+        if not line.lstrip().startswith(("top_entropy_quantile:", "random_mask:"))
+    )
+    assert old != text
+    path.write_text(old)
+    assert train(cfg) == run  # skipped: it finished under this config
+    assert "skipping" in trainer_module.skip_message(cfg)
+    with pytest.raises(ValueError, match=r"algorithm.random_mask: '<absent>' -> 'boxed'"):
+        trainer_module.skip_message(
+            compose(
+                [*tiny_overrides, "trainer.steps=1", "run.name=old", "algorithm.random_mask=boxed"]
+            )
+        )
