@@ -833,3 +833,189 @@ def test_data_prepare_replaces_its_files_only_with_force(tmp_path, capsys, monke
     assert (tmp_path / "out" / "ok.parquet").read_bytes().startswith(b"PAR1")
     assert (tmp_path / "out" / "keep.txt").read_text() == "someone else's\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+
+
+# -- figures and report: a damaged run is named, never skipped; nothing is written -----------------
+def _metrics(*rows: dict) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+GOOD_METRICS = _metrics(*({"train/step": s, "train/loss": 0.1, "val/acc": 0.5} for s in (1, 2, 3)))
+
+
+def _runs_setup(
+    metrics: str | bytes = GOOD_METRICS,
+    config: str | None = None,
+    status: str | None = '{"state": "finished", "step": 3}',
+    xz: bytes | None = None,
+):
+    """runs/good (a good run) and runs/r (a run with the given files), a file afile, an empty
+    folder empty/ and an earlier report in out/ that a refusal must leave alone."""
+
+    def setup(root: Path) -> None:
+        for name in ("good", "r"):
+            run = root / "runs" / name
+            run.mkdir(parents=True)
+            text = _default_run_config().replace("name: r\n", f"name: {name}\n")
+            (run / "config.yaml").write_text(config if name == "r" and config else text)
+            if name == "r" and xz is not None:
+                (run / "metrics.jsonl.xz").write_bytes(xz)
+            else:
+                data = metrics if name == "r" else GOOD_METRICS
+                (run / "metrics.jsonl").write_bytes(
+                    data if isinstance(data, bytes) else data.encode()
+                )
+            if status is not None:
+                (run / "status.json").write_text(status if name == "r" else "{}")
+        (root / "afile").write_text("x")
+        (root / "empty").mkdir()
+        (root / "out").mkdir()
+        (root / "out" / "report.md").write_text("an earlier report\n")
+
+    return setup
+
+
+RUNS = [
+    (
+        "metrics-line-broken",
+        _runs_setup('{"train/step": 1}\n{"train/st\n{"train/step": 3}\n'),
+        "runs/r/metrics.jsonl, line 2: invalid JSON",
+    ),
+    (
+        "metrics-row-a-list",
+        _runs_setup('[1, 2]\n{"train/step": 2}\n'),
+        "runs/r/metrics.jsonl, line 1: not a metrics row",
+    ),
+    ("metrics-row-a-number", _runs_setup('5\n{"train/step": 2}\n'), "runs/r/metrics.jsonl, line 1"),
+    (
+        "step-text",
+        _runs_setup(_metrics({"train/step": "abc"}, {"train/step": 2})),
+        "line 1: not a metrics row",
+    ),
+    (
+        "step-null",
+        _runs_setup(_metrics({"train/step": None}, {"train/step": 2})),
+        "line 1: not a metrics row",
+    ),
+    (
+        "step-nan",
+        _runs_setup('{"train/step": NaN}\n{"train/step": 2}\n'),
+        "line 1: not a metrics row",
+    ),
+    (
+        "step-fraction",
+        _runs_setup(_metrics({"train/step": 1.5}, {"train/step": 2})),
+        "line 1: not a metrics row",
+    ),
+    (
+        "value-text",
+        _runs_setup(
+            _metrics({"train/step": 1, "val/acc": "high"}, {"train/step": 2, "val/acc": 0.4})
+        ),
+        "val/acc: step 1 (found 'high'",
+    ),
+    (
+        "value-a-mapping",
+        _runs_setup(_metrics({"train/step": 1, "val/acc": {"a": 1}}, {"train/step": 2})),
+        "val/acc: step 1 (found {'a': 1}",
+    ),
+    (
+        "5000-digit-number",
+        _runs_setup('{"train/step": 1, "x": ' + "9" * 5000 + "}\n{}\n"),
+        "line 1: invalid JSON",
+    ),
+    (
+        "metrics-not-utf8",
+        _runs_setup(b'{"train/step": 1, "a": "\xff"}\n'),
+        "runs/r/metrics.jsonl: not UTF-8",
+    ),
+    (
+        "xz-truncated",
+        _runs_setup(xz=b"\xfd7zXZ\x00\x00"),
+        "runs/r/metrics.jsonl.xz: not an xz file",
+    ),
+    ("config-empty", _runs_setup(config="\n"), "runs/r/config.yaml: not a mapping"),
+    ("config-a-list", _runs_setup(config="- 1\n"), "runs/r/config.yaml: not a mapping"),
+    ("config-broken", _runs_setup(config="a: [\n"), "runs/r/config.yaml, line 2, column 1"),
+    ("config-run-a-list", _runs_setup(config="run: [1]\n"), "runs/r/config.yaml: run (found [1]"),
+    ("status-truncated", _runs_setup(status="{"), "runs/r/status.json, line 1, column 2"),
+    ("status-a-list", _runs_setup(status="[]"), "runs/r/status.json: not a mapping"),
+]
+RUN_ARGS = [
+    ("no-such-source", ["nothere"], "nothere: no such file or directory"),
+    ("source-a-file", ["afile"], "afile is not a directory"),
+    ("no-run-in-source", ["empty"], "empty: no run found"),
+    ("out-a-file", ["runs", "--out", "afile"], "afile: --out: not a folder"),
+]
+
+
+@pytest.mark.parametrize("verb", ["figures", "report"])
+@pytest.mark.parametrize(("setup", "names"), [r[1:] for r in RUNS], ids=[r[0] for r in RUNS])
+def test_figures_and_report_refuse_a_damaged_run(tmp_path, capsys, monkeypatch, verb, setup, names):
+    err = refuse([verb, "runs", "--out", "out"], tmp_path, capsys, monkeypatch, setup)
+    assert names in err
+
+
+@pytest.mark.parametrize("verb", ["figures", "report"])
+@pytest.mark.parametrize(("args", "names"), [r[1:] for r in RUN_ARGS], ids=[r[0] for r in RUN_ARGS])
+def test_figures_and_report_refuse_bad_arguments(tmp_path, capsys, monkeypatch, verb, args, names):
+    if "--out" not in args:
+        args = [*args, "--out", "out"]
+    err = refuse([verb, *args], tmp_path, capsys, monkeypatch, _runs_setup())
+    assert names in err
+
+
+def test_report_refuses_a_config_that_does_not_fit_the_schema(tmp_path, capsys, monkeypatch):
+    config = _default_run_config().replace("\nseed: 0\n", "\nseed: abc\n")
+    assert config != _default_run_config()
+    err = refuse(
+        ["report", "runs", "--out", "out"],
+        tmp_path,
+        capsys,
+        monkeypatch,
+        _runs_setup(config=config),
+    )
+    assert "runs/r/config.yaml: seed: does not fit omgrpo's config" in err
+
+
+def test_figures_refuse_no_runs_and_an_unknown_figure(tmp_path, capsys, monkeypatch):
+    err = refuse(["figures", "--out", "out"], tmp_path, capsys, monkeypatch, _runs_setup())
+    assert "give run directories" in err
+    err = refuse(["figures", "runs", "--out", "o", "--only", "nope"], tmp_path, capsys, monkeypatch)
+    assert "--only: invalid choice: 'nope'" in err
+
+
+# -- study-report: what its command line checks (the pre-registration's own checks: test_study) ---
+def _study_setup(prereg: str | bytes | None):
+    def setup(root: Path) -> None:
+        _runs_setup()(root)
+        if prereg is not None:
+            data = prereg if isinstance(prereg, bytes) else prereg.encode()
+            (root / "pre.md").write_bytes(data)
+
+    return setup
+
+
+STUDY = [
+    ("prereg-missing", None, "pre.md"),
+    ("prereg-no-yaml-block", "# predictions\n\nnone\n", "pre.md: no ```yaml block"),
+    (
+        "prereg-block-a-list",
+        "```yaml\n- 1\n```\n",
+        "pre.md: the predictions block must be a mapping",
+    ),
+    (
+        "prereg-block-broken",
+        "```yaml\na: [\n```\n",
+        "pre.md: the predictions block is not valid YAML",
+    ),
+    ("prereg-block-empty", "```yaml\n```\n", "pre.md"),
+    ("prereg-unknown-key", "```yaml\nnope: 1\n```\n", "unknown key 'nope'"),
+]
+
+
+@pytest.mark.parametrize(("prereg", "names"), [r[1:] for r in STUDY], ids=[r[0] for r in STUDY])
+def test_study_report_refuses_a_bad_preregistration(tmp_path, capsys, monkeypatch, prereg, names):
+    argv = ["study-report", "runs", "--prereg", "pre.md", "--out", "st"]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, _study_setup(prereg))
+    assert names in err

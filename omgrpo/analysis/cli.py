@@ -1,8 +1,10 @@
 """`omgrpo figures RUNS... --out DIR`, `omgrpo report RUNS... --out reports/<name>/` and
 `omgrpo tables RUNS_OR_EVALS... --out DIR`.
 
-All return an exit status: 0 on success, 2 on bad input (no such path, no run in it, unknown
-figure name, unreadable tracker), with the reason on stderr.
+All return an exit status: 0 on success. Bad input (no such path, no run in it, a damaged run
+file, unknown figure name, unreadable tracker) raises InputError (or FileNotFoundError), which
+`omgrpo.cli.main` prints with exit status 2; outputs are written all or nothing
+(`omgrpo.staging`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ def _fail(prog: str, message: str) -> int:
 def figures_main(argv: list[str]) -> int:
     from omgrpo.analysis.figures import FIGURES, TITLES, all_figures
     from omgrpo.analysis.load import find_run_dirs, load_rollouts, load_runs
+    from omgrpo.analysis.report import check_metric_values, check_out_dir
+    from omgrpo.errors import InputError
+    from omgrpo.staging import staged_files
 
     prog = "omgrpo figures"
     parser = argparse.ArgumentParser(
@@ -60,7 +65,9 @@ def figures_main(argv: list[str]) -> int:
     if isinstance(ns, int):
         return ns
     if not ns.runs and not ns.mlflow_experiment and not ns.wandb_project:
-        return _fail(prog, "give run directories (or --mlflow-experiment / --wandb-project)")
+        raise InputError("give run directories (or --mlflow-experiment / --wandb-project)")
+    out = Path(ns.out)
+    check_out_dir(out)
     try:
         df = load_runs(
             *ns.runs,
@@ -68,12 +75,19 @@ def figures_main(argv: list[str]) -> int:
             mlflow_uri=ns.mlflow_uri,
             wandb_project=ns.wandb_project,
         )
-        rollouts = load_rollouts(ns.runs) if ns.runs else None
-        n_runs = len(find_run_dirs(*ns.runs)) if ns.runs else df["run"].nunique()
-    except (FileNotFoundError, NoRunsError, RuntimeError, ValueError) as e:
-        return _fail(prog, str(e))
-    out = Path(ns.out)
-    results = all_figures(df, out, rollouts=rollouts, only=ns.only)
+    except RuntimeError as e:  # the W&B project cannot be read (no package, offline, API)
+        if not ns.wandb_project:
+            raise
+        raise InputError(str(e), key="--wandb-project", found=ns.wandb_project) from e
+    check_metric_values(df)
+    rollouts = load_rollouts(ns.runs) if ns.runs else None
+    n_runs = len(find_run_dirs(*ns.runs)) if ns.runs else df["run"].nunique()
+    with staged_files(out) as tmp:  # all or nothing; other files in `out` are kept
+        staged = all_figures(df, tmp, rollouts=rollouts, only=ns.only)
+    results = {
+        name: r if isinstance(r, str) else [out / p.relative_to(tmp) for p in r]
+        for name, r in staged.items()
+    }
     drawn = 0
     for name, result in results.items():
         if isinstance(result, str):
@@ -106,10 +120,7 @@ def report_main(argv: list[str]) -> int:
     out = (
         Path(ns.out) if ns.out else Path("reports") / (Path(ns.runs[0]).resolve().name or "report")
     )
-    try:
-        path = write_report(ns.runs, out, title=ns.title)
-    except (FileNotFoundError, NoRunsError, ValueError) as e:
-        return _fail(prog, str(e))
+    path = write_report(ns.runs, out, title=ns.title)
     section = path.read_text().split("## Provenance\n", 1)[-1].split("\n## ", 1)[0]
     print("provenance:\n" + section.strip())
     print(f"report: {path}  (figures in {path.parent / 'figures'}/)")
@@ -133,10 +144,7 @@ def tables_main(argv: list[str]) -> int:
     ns = _parse(parser, argv)
     if isinstance(ns, int):
         return ns
-    try:
-        path = write_tables(ns.sources, ns.out, ns.checkpoint)
-    except (FileNotFoundError, ValueError) as e:
-        return _fail(prog, str(e))
+    path = write_tables(ns.sources, ns.out, ns.checkpoint)
     print(path.read_text())
     print(f"tables: {path} (+ .md / .tex per table in {path.parent}/)")
     return 0

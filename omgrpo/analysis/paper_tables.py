@@ -29,6 +29,7 @@ from omgrpo.analysis.load import aggregate_seeds
 from omgrpo.analysis.provenance import provenance_lines
 from omgrpo.analysis.tables import markdown_table
 from omgrpo.errors import InputError
+from omgrpo.staging import staged_files
 from omgrpo.tracking.store import RunStore
 
 LABELS = {
@@ -391,16 +392,15 @@ def write_tables(sources: Sequence[str | Path], out_dir: str | Path, checkpoint=
             "run `omgrpo eval RUN --suite toy|paper` first"
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tables = all_eval_tables(df, checkpoint)
-    for key, table in tables.items():
-        stem = key.replace("/", "__")
-        (out / f"{stem}.md").write_text(f"## {table.title}\n\n{table.markdown}\n")
-        (out / f"{stem}.tex").write_text(table.latex + "\n")
-    path = out / "tables.md"
-    lines = ["# Tables from benchmark evaluations", "", *provenance_section(df), *_markdown(tables)]
-    path.write_text("\n".join(lines))
-    return path
+    with staged_files(out) as tmp:  # all or nothing; other files in `out` are kept
+        for key, table in tables.items():
+            stem = key.replace("/", "__")
+            (tmp / f"{stem}.md").write_text(f"## {table.title}\n\n{table.markdown}\n")
+            (tmp / f"{stem}.tex").write_text(table.latex + "\n")
+        head = ["# Tables from benchmark evaluations", "", *provenance_section(df)]
+        (tmp / "tables.md").write_text("\n".join([*head, *_markdown(tables)]))
+    return out / "tables.md"
 
 
 def provenance_section(df: pd.DataFrame) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,8 @@ from omgrpo.analysis.tables import (
     run_summary,
 )
 from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS
+from omgrpo.staging import staged_files
+from omgrpo.tracking.store import RunStore
 
 FIGURE_CAPTION = (
     "Curves are means over seeds (the legend gives n). With n ≥ 3 the band is the 95% CI of "
@@ -67,14 +70,38 @@ def write_report(
     sources = [Path(p) for p in run_dirs]
     dirs = find_run_dirs(*sources)
     out_dir = Path(out_dir)
-    fig_dir = out_dir / "figures"
-    out_dir.mkdir(parents=True, exist_ok=True)
-
+    check_out_dir(out_dir)
     df = load_runs(*sources)
+    check_metric_values(df)
     rollouts = load_rollouts(sources)
-    figures = all_figures(df, fig_dir, rollouts=rollouts)
-    tables = all_tables(df)
+    # all or nothing: written aside, moved into out_dir (its other files kept) at the end
+    with staged_files(out_dir) as tmp:
+        figures = all_figures(df, tmp / "figures", rollouts=rollouts)
+        lines = _report_lines(df, dirs, sources, figures, out_dir, title, tmp)
+        (tmp / "report.md").write_text("\n".join(lines))
+        (tmp / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
+    return out_dir / "report.md"
 
+
+def check_out_dir(out_dir: Path, flag: str = "--out") -> None:
+    """An output folder that is a file is refused before any work (InputError)."""
+    from omgrpo.errors import InputError
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError("not a folder", file=out_dir, key=flag, expected="an output folder")
+
+
+def _report_lines(
+    df: pd.DataFrame,
+    dirs: Sequence[Path],
+    sources: Sequence[Path],
+    figures: Mapping[str, list[Path] | str],
+    out_dir: Path,
+    title: str | None,
+    staged: Path,
+) -> list[str]:
+    """report.md's lines (`staged`: where the figures are until they move to out_dir)."""
+    tables = all_tables(df)
     lines: list[str] = []
     lines.append(f"# {title or 'omgrpo report: ' + out_dir.resolve().name}")
     lines.append("")
@@ -90,12 +117,9 @@ def write_report(
     lines += base_checks_section(base_checks(dirs))  # the toy bases' acceptance checks
     lines += _tables_section(tables)
     lines += eval_tables_section(sources)  # benchmark evaluations (omgrpo eval), if any
-    lines += _figures_section(figures, out_dir)
+    lines += _figures_section(figures, staged)
     lines += _configs_section(dirs)
-    path = out_dir / "report.md"
-    path.write_text("\n".join(lines))
-    (out_dir / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
-    return path
+    return lines
 
 
 def _runs_section(df: pd.DataFrame, dirs: Sequence[Path]) -> list[str]:
@@ -271,8 +295,10 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
     the toy bases the runs started from: in the model cache, else in the copy shipped with
     omgrpo (so a fresh clone's report shows a shipped base's checks before its first run)."""
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     from omgrpo.config import Config
+    from omgrpo.errors import InputError, short_message
     from omgrpo.models.basecheck import read_base_checks
     from omgrpo.models.bases import SHIPPED_DIR
     from omgrpo.models.toy import toy_base_key
@@ -280,11 +306,17 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
     schema = OmegaConf.structured(Config)
     out: dict[str, dict | None] = {}
     for run_dir in run_dirs:
-        raw = OmegaConf.load(Path(run_dir) / "config.yaml")
+        path = Path(run_dir) / "config.yaml"
+        raw = OmegaConf.create(RunStore(run_dir).read_config())
         if raw.get("backend") == "verl":  # a model directory, not a toy base of the cache
             continue
-        # on today's schema: configs written before a field existed get its default
-        cfg = OmegaConf.merge(schema, raw)
+        try:  # on today's schema: configs written before a field existed get its default
+            cfg = OmegaConf.merge(schema, raw)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None)
+            raise InputError(
+                f"does not fit omgrpo's config ({short_message(e)})", file=path, key=key
+            ) from e
         if cfg.model.path or cfg.task.name != "toy":
             continue
         name = f"toy-base-{toy_base_key(cfg.model, cfg.task)}"
@@ -319,6 +351,35 @@ _SUMMARY_FIELDS = {
     "final_unique_per_prompt": "final unique/prompt",
     "final_batch_mode_share": "final batch-mode share",
 }
+
+
+NUMERIC_PREFIXES = ("val/", "train/")
+"""Metrics that are numbers by construction: a text, list or mapping in them is a damaged or
+foreign metrics file, named by `check_metric_values` (other metrics, such as the batch's
+modal answer `answers/batch_mode`, may be text)."""
+
+
+def check_metric_values(df: pd.DataFrame) -> None:
+    """Refuse (InputError, naming the run's metrics file, the metric and the value) a value of
+    a `val/*` or `train/*` metric that is not a number (before: text failed deep inside the
+    report, a mapping raised a TypeError, and the figures dropped them silently)."""
+    from omgrpo.errors import InputError
+
+    for column in df.columns:
+        if not column.startswith(NUMERIC_PREFIXES) or df[column].dtype != object:
+            continue
+        values = df[column].dropna()
+        bad = values[[isinstance(v, bool) or not isinstance(v, numbers.Real) for v in values]]
+        if len(bad):
+            row = df.loc[bad.index[0]]
+            where = row.get("run_dir") or row.get("run")
+            raise InputError(
+                f"step {row.get('step')}",
+                file=f"{where} (metrics)",
+                key=column,
+                found=bad.iloc[0],
+                expected="a number",
+            )
 
 
 def _number(value) -> float | None:

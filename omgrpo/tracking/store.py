@@ -44,6 +44,8 @@ DONE_STATES = ("finished", "collapsed")
 and `omgrpo sweep` skip such a run instead of training it again."""
 RESUME_CHOICES = (True, False, "auto")
 """The values of `run.resume` (`start_mode`)."""
+CONFIG_SECTIONS = ("run", "model", "task", "tracking", "trainer", "rollout", "reward", "eval")
+"""Sections of a run's config.yaml that are mappings when present (`RunStore.read_config`)."""
 METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.xz")
 """A run's metrics, as training writes them and compacted (`RunStore.compact_metrics`)."""
 
@@ -64,12 +66,17 @@ class RunStore:
     def read_config(self) -> dict[str, Any]:
         """The run's config.yaml; InputError naming it when it is not a YAML mapping (empty,
         truncated, not UTF-8), FileNotFoundError when there is none."""
-        from omgrpo.errors import read_mapping
+        from omgrpo.errors import InputError, read_mapping
 
         path = self.dir / "config.yaml"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found: is {self.dir} a run directory?")
-        return read_mapping(path, "a run's resolved config (a YAML mapping)")
+        config = read_mapping(path, "a run's resolved config (a YAML mapping)")
+        for section in CONFIG_SECTIONS:  # every reader takes these as mappings
+            if not isinstance(config.get(section) or {}, dict):
+                found = config[section]
+                raise InputError(file=path, key=section, found=found, expected="a mapping")
+        return config
 
     def has_progress(self) -> bool:
         return self.has_metrics() or self.checkpoints_dir.exists()
@@ -115,6 +122,8 @@ class RunStore:
         row keeps only the metrics it has), steps <= `up_to` if given. A half-written last line
         (a run killed mid-write) is skipped; any other invalid line raises, naming the file and
         line."""
+        from omgrpo.errors import InputError
+
         source, lines = self._metric_lines()
         rows = []
         for lineno, line in enumerate(lines):
@@ -122,23 +131,44 @@ class RunStore:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
+            except ValueError as e:  # JSONDecodeError, or an integer past 4300 digits
                 if lineno != len(lines) - 1:
-                    raise ValueError(f"{source}, line {lineno + 1}: invalid JSON") from e
+                    raise InputError(
+                        f"invalid JSON ({e})", file=source, row=f"line {lineno + 1}"
+                    ) from e
                 continue
-            step = int(row.pop("train/step", lineno))
+            step = row.pop("train/step", lineno) if isinstance(row, dict) else None
+            if isinstance(step, float) and step.is_integer():
+                step = int(step)  # written by another tool as 3.0
+            if isinstance(step, bool) or not isinstance(step, int):
+                raise InputError(
+                    "not a metrics row",
+                    file=source,
+                    row=f"line {lineno + 1}",
+                    found=f"{line[:80]}",
+                    expected='a JSON object with an integer "train/step"',
+                )
             if up_to is None or step <= up_to:
                 rows.append((step, row))
         return rows
 
     def _metric_lines(self) -> tuple[Path, list[str]]:
-        """The metrics file read (metrics.jsonl, else metrics.jsonl.xz) and its lines."""
-        if self.metrics_path.exists():
-            return self.metrics_path, self.metrics_path.read_text().splitlines()
-        if self.compact_metrics_path.exists():
-            text = lzma.decompress(self.compact_metrics_path.read_bytes()).decode()
-            return self.compact_metrics_path, text.splitlines()
-        return self.metrics_path, []
+        """The metrics file read (metrics.jsonl, else metrics.jsonl.xz) and its lines; a file
+        that is not UTF-8 or not xz is named (InputError)."""
+        from omgrpo.errors import InputError
+
+        path = self.metrics_path if self.metrics_path.exists() else self.compact_metrics_path
+        if not path.exists():
+            return self.metrics_path, []
+        try:
+            data = path.read_bytes()
+            if path == self.compact_metrics_path:
+                data = lzma.decompress(data)
+            return path, data.decode("utf-8").splitlines()
+        except lzma.LZMAError as e:
+            raise InputError(f"not an xz file ({e}): truncated or damaged", file=path) from e
+        except UnicodeDecodeError as e:
+            raise InputError(f"not UTF-8 text ({e.reason} at byte {e.start})", file=path) from e
 
     def compact_metrics(self) -> bool:
         """Replace metrics.jsonl by metrics.jsonl.xz, its bytes xz-compressed (about 7x smaller;
@@ -268,8 +298,12 @@ class RunStore:
         _write_json_atomic(self.dir / "status.json", status)
 
     def read_status(self) -> dict[str, Any]:
+        """status.json ({} when there is none); InputError naming it when it is not a JSON
+        object (truncated, empty, a list)."""
+        from omgrpo.errors import read_mapping
+
         path = self.dir / "status.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return read_mapping(path, "a run's status (a JSON object)") if path.exists() else {}
 
     @contextlib.contextmanager
     def recording_failures(self) -> Iterator[RunStore]:

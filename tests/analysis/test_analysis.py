@@ -35,8 +35,9 @@ from omgrpo.analysis import (
 )
 from omgrpo.analysis import figures as F
 from omgrpo.analysis import tables as T
-from omgrpo.analysis.cli import figures_main, report_main
+from omgrpo.analysis.cli import figures_main
 from omgrpo.analysis.load import run_roots, t_critical, unsanitize_metric_name
+from omgrpo.cli import main as omgrpo_main
 from omgrpo.tracking.store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -584,12 +585,13 @@ def test_figures_cli(tmp_path, capsys):
     assert (out / "training_dynamics.pdf").is_file()
     assert str(out) in capsys.readouterr().out
 
-    assert figures_main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+    # bad input: raised to `omgrpo.cli.main`, which prints it and exits 2
+    assert omgrpo_main(["figures", str(tmp_path / "missing"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "omgrpo figures: error:" in err and str(tmp_path / "missing") in err
-    assert figures_main(["--out", str(out)]) == 2
-    assert figures_main([str(FIXTURE)]) == 2  # --out is required
-    assert report_main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert omgrpo_main(["figures", "--out", str(out)]) == 2
+    assert figures_main([str(FIXTURE)]) == 2  # --out is required (argparse)
+    assert omgrpo_main(["report", str(tmp_path / "missing"), "--out", str(out)]) == 2
 
 
 @pytest.mark.slow
