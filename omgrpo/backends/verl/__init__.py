@@ -13,8 +13,10 @@ pieces, one module each:
 |             | pool, format), presets each rollout's reward and records its answer tokens     |
 | prm         | the `process` reward's PRM in its own Ray actor: loads the checkpoint, scores  |
 |             | the groups' responses batched across groups within each group's budget        |
-| advantage   | per-token advantages: w on answer tokens (or the format advantage)             |
+| advantage   | per-token advantages: w on answer tokens (or the format advantage), 0 on the   |
+|             | tokens of the generic masks (`omgrpo.core.masks`)                              |
 | loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
+|             | (and 0 on the generic masks' tokens)                                           |
 | record      | `RolloutRecord`: the typed record each rollout carries from agent loop to metrics |
 | metrics     | the step's `StepBatch` from the rollouts' records -> `omgrpo.core.step.step_metrics` |
 | trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
@@ -33,10 +35,33 @@ VERL_VERSION = "0.9.1"
 ANSWER_MASK_KEY = "omgrpo_answer_mask"
 """Per-token field (response length, int64) set by the agent loop: 1 on answer-span tokens."""
 
+TOKEN_MASK_KEY = "omgrpo_token_mask"
+"""Per-token field (response length, int64) set by the driver's advantage step with a generic
+mask on (`omgrpo.core.masks`): 1 on the tokens taken out of training (weight 0 in the PG and KL
+terms)."""
+
+SPAN_MASK_PREFIX = "omgrpo_span_"
+"""Per-token fields `omgrpo_span_<span>` (response length, int64) set by the agent loop with a
+generic mask on: 1 on the tokens of a span the masks read (`omgrpo.core.masks.mask_spans`)."""
+
+
+def span_mask_key(span: str) -> str:
+    """The field holding `span`'s token mask (`SPAN_MASK_PREFIX`)."""
+    return SPAN_MASK_PREFIX + span
+
+
 FORMAT_SCORE_KEY = "omgrpo_format"
 """Per-rollout field (float32): the format reward, for the format-only advantage."""
 
 RECORD_KEY = "omgrpo"
 """Key in a rollout's `extra_fields` holding what the driver's diagnostics need."""
 
-__all__ = ["ANSWER_MASK_KEY", "FORMAT_SCORE_KEY", "RECORD_KEY", "VERL_VERSION"]
+__all__ = [
+    "ANSWER_MASK_KEY",
+    "FORMAT_SCORE_KEY",
+    "RECORD_KEY",
+    "SPAN_MASK_PREFIX",
+    "TOKEN_MASK_KEY",
+    "VERL_VERSION",
+    "span_mask_key",
+]

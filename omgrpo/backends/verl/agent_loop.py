@@ -15,7 +15,9 @@ lets each session finish generating, waits until the prompt's G sessions are the
    the run's PRM actor, `omgrpo.backends.verl.prm`), ...; each rollout's answer-token mask;
 3. presets every rollout's `reward_score` (verl then skips its per-sample reward) and hands the
    rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
-   `omgrpo_format`, which verl stores in TransferQueue next to `response_mask`.
+   `omgrpo_format`, which verl stores in TransferQueue next to `response_mask` (with a generic
+   mask, `omgrpo.core.masks`, also `omgrpo_span_<span>`: the token masks of the spans it reads;
+   the driver draws the mask step-wide, `omgrpo.backends.verl.advantage.generic_masks`).
 
 If a session fails, the others of its prompt stop waiting and fail too, so verl's replay buffer
 sees one failed group (as without the plugin). Validation rollouts take verl's path unchanged
@@ -39,7 +41,7 @@ import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY, span_mask_key
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.prm import PRM_SERVER_NAME, PrmClient, question_of, start_prm_server
 from omgrpo.backends.verl.record import CarRecord, RolloutRecord
@@ -334,10 +336,16 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                 "pred": pred_of(record.answer),
             }
             output.extra_fields[RECORD_KEY] = record.to_dict()
+            n = len(responses[k])
             group.fields[session] = {
-                ANSWER_MASK_KEY: batch.responses.answer_mask[k, : len(responses[k])].long(),
+                ANSWER_MASK_KEY: batch.responses.answer_mask[k, :n].long(),
                 # The format reward (paper §3.1), for the format-only advantage.
                 FORMAT_SCORE_KEY: torch.tensor(format_score(record.answer), dtype=torch.float32),
+                # With a generic mask: the spans it reads (the driver draws it step-wide).
+                **{
+                    span_mask_key(span): mask[k, :n].long()
+                    for span, mask in batch.responses.span_masks.items()
+                },
             }
 
 

@@ -108,8 +108,9 @@ class OmgrpoVerlConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The native trainer's section; verl reads `answer_weight`, `answer_span` (the agent loop's
-    answer masks), `format_only` and `adv_eps` (the others are verl's actor keys,
-    `VERL_ACTOR_KEYS`, and must keep their defaults)."""
+    answer masks), `top_entropy_quantile` and `random_mask` (the driver's generic masks),
+    `format_only` and `adv_eps` (the others are verl's actor keys, `VERL_ACTOR_KEYS`, and must
+    keep their defaults)."""
     rollout: VerlRolloutSection = field(default_factory=VerlRolloutSection)
     car: CarConfig = field(default_factory=CarConfig)
     collapse: CollapseConfig = field(default_factory=CollapseConfig)
@@ -238,6 +239,7 @@ def validate_section(cfg: DictConfig) -> None:
     _check_verl_owned(om)
     _check_group_size(cfg, om)
     _check_masking(cfg)
+    _check_generic_masks(cfg, om)
     _check_advantage(cfg, om)
     _check_seed_and_resume(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
@@ -323,6 +325,20 @@ def _check_masking(cfg: DictConfig) -> None:
             "algorithm.use_kl_in_reward must be false: verl's in-reward KL penalty covers every "
             "response token, answer tokens included, which undoes outcome masking; use the KL "
             "loss (actor_rollout_ref.actor.use_kl_loss, weighted on answer tokens by omgrpo)"
+        )
+
+
+def _check_generic_masks(cfg: DictConfig, om: DictConfig) -> None:
+    """`top_entropy_quantile` reads the entropy verl stores in its old-log-prob pass, which
+    rollout-correction bypass mode skips."""
+    if om.algorithm.get("top_entropy_quantile") is None:
+        return
+    corr = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
+    if corr and corr.get("bypass_mode", False):
+        raise ValueError(
+            "omgrpo.algorithm.top_entropy_quantile needs the per-token entropy of verl's "
+            "old-log-prob pass, which algorithm.rollout_correction.bypass_mode=true skips: "
+            "turn bypass mode off or the mask off"
         )
 
 

@@ -10,7 +10,9 @@ The PG term needs no change: the trainer has already multiplied the per-token ad
 answer tokens (or replaced it by the format advantage), and scaling A by w >= 0 scales the
 clipped surrogate by exactly w. The KL term becomes ``agg(k3 * m)`` with ``m = w`` on answer
 tokens and 1 elsewhere, aggregated over the full response mask: the denominator is unchanged,
-so reasoning-token gradients do not depend on w. Everything else is verl's `ppo_loss` line for
+so reasoning-token gradients do not depend on w. With a generic mask (`omgrpo.core.masks`) the
+driver's `omgrpo_token_mask` marks tokens that get weight 0 in the KL term too (their advantage
+is already 0). Everything else is verl's `ppo_loss` line for
 line (same building blocks, same metrics), which a test checks: with nothing masked the two
 losses are equal. The token-level metrics (`kl/<role>`, `entropy/<role>`, `answer/frac`) are
 `omgrpo.core.losses.token_stats` sums and counts, as in the native trainer (docs/metrics.md).
@@ -26,7 +28,7 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.padding import no_padding_2_padding
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY
+from omgrpo.backends.verl import ANSWER_MASK_KEY, TOKEN_MASK_KEY
 from omgrpo.core.losses import token_means, token_roles, token_stats, token_weights
 
 __all__ = ["loss_metric_means", "omgrpo_ppo_loss"]
@@ -46,8 +48,9 @@ def omgrpo_ppo_loss(
         config: the actor's `ActorConfig` (verl binds it with `functools.partial`).
         model_output: `log_probs` (and `entropy`) of the micro-batch, no-padding layout.
         data: the micro-batch; reads `response_mask`, `old_log_probs`, `advantages`,
-            `ref_log_prob`, optional `rollout_is_weights` and `omgrpo_answer_mask` (jagged,
-            response length; absent = no answer tokens, i.e. verl's loss exactly).
+            `ref_log_prob`, optional `rollout_is_weights`, `omgrpo_answer_mask` (jagged,
+            response length; absent = no answer tokens, i.e. verl's loss exactly) and
+            `omgrpo_token_mask` (the generic masks' tokens: KL weight 0; absent = none).
         dp_group: unused (verl's signature).
         answer_weight: w, the KL weight of answer tokens (0 = OM-GRPO).
 
@@ -62,7 +65,7 @@ def omgrpo_ppo_loss(
     if entropy is not None:
         entropy = no_padding_2_padding(entropy, data)
     metric_aggregation = _set_global_batch_info(config, data)
-    data, response_mask, answer = _padded_fields(data)
+    data, response_mask, answer, masked = _padded_fields(data)
     loss_agg_mode = config.loss_agg_mode
     agg_kwargs = {"loss_mask": response_mask, "loss_agg_mode": loss_agg_mode}
 
@@ -92,6 +95,8 @@ def omgrpo_ppo_loss(
         )
         # The one change to verl: per-token KL weights, w on answer tokens, 1 elsewhere.
         weights = token_weights(answer, answer_weight, dtype=kld.dtype)
+        if masked is not None:  # the generic masks' tokens: out of the KL term too
+            weights = torch.where(masked, torch.zeros_like(weights), weights)
         kl_loss = agg_loss(loss_mat=kld * weights, **agg_kwargs, **config.global_batch_info)
         policy_loss += kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
@@ -119,11 +124,14 @@ def _set_global_batch_info(config: Any, data: TensorDict) -> AggregationType:
     return AggregationType.MEAN
 
 
-def _padded_fields(data: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Tensor]:
-    """The loss's fields as padded tensors, the bool response mask and the answer-token mask
-    (no answer tokens without `omgrpo_answer_mask`)."""
+def _padded_fields(
+    data: TensorDict,
+) -> tuple[TensorDict, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The loss's fields as padded tensors, the bool response mask, the answer-token mask (no
+    answer tokens without `omgrpo_answer_mask`) and the generic masks' tokens (None without
+    `omgrpo_token_mask`)."""
     fields = ["response_mask", "old_log_probs", "advantages"]
-    for optional in ("rollout_is_weights", "ref_log_prob", ANSWER_MASK_KEY):
+    for optional in ("rollout_is_weights", "ref_log_prob", ANSWER_MASK_KEY, TOKEN_MASK_KEY):
         if optional in data:
             fields.append(optional)
     data = data.select(*fields).to_padded_tensor()
@@ -132,7 +140,10 @@ def _padded_fields(data: TensorDict) -> tuple[TensorDict, torch.Tensor, torch.Te
         answer = data[ANSWER_MASK_KEY].to(bool) & response_mask
     else:
         answer = torch.zeros_like(response_mask)
-    return data, response_mask, answer
+    masked = None
+    if TOKEN_MASK_KEY in data:
+        masked = data[TOKEN_MASK_KEY].to(bool) & response_mask
+    return data, response_mask, answer, masked
 
 
 def _token_stat_metrics(

@@ -7,7 +7,9 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
   class, refills, checkpoints), so the mode is set back to "sync" before the replay buffer is
   built; a trainer under its own name would otherwise get async behaviour;
 - installs `omgrpo_ppo_loss` (KL weighted on answer tokens) on the actor workers after init;
-- weights the advantages on answer tokens right after verl's GRPO step (`_compute_advantage`);
+- weights the advantages on answer tokens right after verl's GRPO step (`_compute_advantage`),
+  and draws the generic masks (`omgrpo.core.masks`: advantage 0, and KL weight 0 in the loss,
+  on their tokens; `mask/frac`, `mask/answer_overlap`);
 - logs omgrpo's metrics: `kl/answer`, `kl/reasoning`, `answer/frac` (from the loss),
   `entropy/answer`, `entropy/reasoning` (from the loss when the actor computes entropy in the
   update, else from the entropy verl stores in the old-log-prob pass), `reward/*`,
@@ -44,8 +46,8 @@ from verl.trainer.ppo.v1 import PPOTrainerSync, register_trainer
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.tracking import Tracking
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
-from omgrpo.backends.verl.advantage import weight_jagged
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY, span_mask_key
+from omgrpo.backends.verl.advantage import generic_masks, weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import records_step, records_texts
@@ -55,6 +57,7 @@ from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.losses import token_means, token_roles, token_stats
+from omgrpo.core.masks import mask_spans
 from omgrpo.core.step import LoopState, rollout_table
 from omgrpo.tracking.store import RunStore
 
@@ -200,15 +203,25 @@ class OmgrpoTrainer(PPOTrainerSync):
         with_entropy = self._old_entropy_stored()
         if with_entropy:
             fields.append("entropy")
+        spans = [span_mask_key(span) for span in mask_spans(algo)]
         data = tq.kv_batch_get(
-            keys=batch.keys, partition_id=batch.partition_id, select_fields=fields
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=fields + spans
         )
         self._row_advantages.update(zip(batch.keys, row_advantages(data)))
+        masked = None
+        if spans:  # a generic mask: drawn over the step's rows (a row's position: its rollout
+            # index), with the step verl is running (`fit` counts it in global_steps)
+            masked, mask_metrics = generic_masks(
+                data, algo, seed=int(self.omgrpo.seed), step=int(self.global_steps)
+            )
+            metrics.update(mask_metrics)
+        drop = ["entropy", *spans] if with_entropy else spans
         out = weight_jagged(
-            data.exclude("entropy") if with_entropy else data,
+            data.exclude(*drop) if drop else data,
             float(algo.answer_weight),
             bool(algo.format_only),
             float(algo.adv_eps),
+            masked,
         )
         if with_entropy:
             # Padding rows have response_mask 0 (and, after weighting, no answer tokens).

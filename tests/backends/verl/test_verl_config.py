@@ -356,3 +356,26 @@ def test_validation_metric_names():
     # math: acc (0.75 + 0.25) / 2, pass (1 + 1) / 2; aime: 0 and 0
     assert got == pytest.approx({"val/acc": 0.25, "val/pass@4": 0.5})
     assert validation_aliases(sources, uids, {"score": [0.0] * 12}) == {}
+
+
+@pytest.mark.slow
+def test_the_generic_masks_reach_the_section_and_bad_values_name_the_key():
+    default = compose_verl("paper_qwen3_1p7b").omgrpo.algorithm
+    assert default.top_entropy_quantile is None and default.random_mask is None
+    for method, key, value in [
+        ("om_grpo_no_car_closing_only", "answer_span", "closing_only"),
+        ("om_grpo_no_car_top_entropy", "top_entropy_quantile", 0.2),
+        ("om_grpo_no_car_random_mask", "random_mask", "boxed"),
+    ]:
+        algo = compose_verl("paper_qwen3_1p7b", [f"method={method}"]).omgrpo.algorithm
+        assert algo[key] == value, method
+    with pytest.raises(ValueError, match=r"omgrpo\.algorithm\.top_entropy_quantile must be in"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.top_entropy_quantile=1.5"])
+    with pytest.raises(ValueError, match=r"unknown omgrpo\.algorithm\.random_mask 'last'"):
+        compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.random_mask=last"])
+    # the entropy mask reads verl's old-log-prob pass, which bypass mode skips
+    with pytest.raises(ValueError, match=r"top_entropy_quantile.*bypass_mode"):
+        compose_verl(
+            "paper_qwen3_1p7b",
+            ["method=om_grpo_no_car_top_entropy", "algorithm.rollout_correction.bypass_mode=true"],
+        )

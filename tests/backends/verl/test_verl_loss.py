@@ -30,7 +30,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import Metric
 from verl.workers.utils.losses import ppo_loss
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY
+from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, TOKEN_MASK_KEY
 from omgrpo.backends.verl.advantage import (
     apply_answer_weighting,
     weight_advantages,
@@ -197,6 +197,33 @@ def test_zero_gradient_on_answer_tokens_with_w0(actor_config_factory):
         omgrpo_ppo_loss, actor_config_factory(), data0, logp0, answer_weight=0.0
     )
     assert torch.all(grad_kl[answer] == 0) and grad_kl[reasoning].abs().sum() > 0
+
+
+def test_token_mask_takes_tokens_out_of_the_kl_term(actor_config_factory):
+    """`omgrpo_token_mask` (the generic masks; the driver has zeroed their advantages): KL
+    weight 0 on its tokens, the other tokens' gradient unchanged (the denominator is all
+    response tokens); KL alone here (advantages 0), so only the KL term moves anything."""
+    masked_pos = [[0, 5], [], [1, 2, 3], [4]]
+    data, logp = weighted_batch(1.0, advantages=[0.0] * len(PROMPT_LENS))
+    _, _, full = run_loss(omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=1.0)
+    rows = []
+    for pos, n in zip(masked_pos, RESPONSE_LENS):
+        row = torch.zeros(n, dtype=torch.int64)
+        row[pos] = 1
+        rows.append(row)
+    data[TOKEN_MASK_KEY] = _nested(rows)
+    _, metrics, grad = run_loss(
+        omgrpo_ppo_loss, actor_config_factory(), data, logp, answer_weight=1.0
+    )
+    masked = [response_positions(i)[t] for i, pos in enumerate(masked_pos) for t in pos]
+    every = [p for i in range(4) for p in response_positions(i)]
+    kept = sorted(set(every) - set(masked))
+    assert (grad[masked] == 0).all() and (full[masked] != 0).all()
+    torch.testing.assert_close(grad[kept], full[kept], rtol=0, atol=0)
+    # the KL metrics still measure every token (unweighted k3 per role)
+    assert metric_value(metrics["kl/reasoning_count"]) + metric_value(
+        metrics["kl/answer_count"]
+    ) == sum(RESPONSE_LENS)
 
 
 def test_kl_split_is_a_token_mean_over_micro_batches(actor_config_factory):

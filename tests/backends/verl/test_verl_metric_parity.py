@@ -21,7 +21,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.metric import Metric
 
 from omgrpo.backends.native.update import UpdateMetrics
-from omgrpo.backends.verl import ANSWER_MASK_KEY
+from omgrpo.backends.verl import ANSWER_MASK_KEY, TOKEN_MASK_KEY, span_mask_key
 from omgrpo.backends.verl.config import compose_verl
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.core.losses import grpo_loss
@@ -163,3 +163,158 @@ def test_the_verl_loss_metric_names_are_in_the_metric_table(actor_config_factory
     names = set(verl_metrics(make_rows(1), actor_config_factory))
     assert metric_table.undocumented(names, "verl") == []
     assert set(COMPARED) | {"pg/answer_weight_share"} <= names
+
+
+# ----------------------------------------------------------------------------------------------
+# Study v4's generic masks: the same masks, metrics and loss in both backends
+# ----------------------------------------------------------------------------------------------
+MASK_TEXTS = [  # 2 prompts x G = 3, one token per character (char tokenizer)
+    "2+2=4\nSo the answer is \\boxed{4}.",
+    "\\boxed{15}",
+    "no answer",
+    "3*3=9\nSo \\boxed{9}",
+    "\\boxed{19}.",
+    "9-1=8 \\boxed{8}",
+]
+MASK_METHODS = [
+    "om_grpo_no_car_closing_only",
+    "om_grpo_no_car_top_entropy",
+    "om_grpo_no_car_random_mask",
+]
+
+
+def native_step(method: str, entropy_seed: int = 0):
+    """The native trainer's scored step on MASK_TEXTS (eos-ended), its per-token entropy and
+    its config."""
+    from omgrpo.config import compose
+    from omgrpo.core.step import score_step
+    from omgrpo.models.tokenizer import build_char_tokenizer
+    from omgrpo.tasks import Problem
+
+    tok = build_char_tokenizer()
+    rows = [
+        torch.tensor([*tok.encode(t, add_special_tokens=False), tok.eos_token_id])
+        for t in MASK_TEXTS
+    ]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    cfg = compose([f"method={method}"])
+    problems = [
+        Problem(id="p0", question="?", answer="4"),
+        Problem(id="p1", question="?", answer="9"),
+    ]
+    batch = score_step(tok, ids, mask, problems, cfg)
+    entropy = torch.rand(ids.shape, generator=torch.Generator().manual_seed(entropy_seed)) * 3
+    return batch, entropy, cfg
+
+
+def stored_step(batch, entropy) -> TensorDict:
+    """The step's rows as verl's TransferQueue holds them at the advantage step: what the agent
+    loop handed (answer mask, the spans the masks read), verl's GRPO advantages and old-pass
+    entropy, and a balance-batch padding row last (row 0's fields, a one-token response with
+    response_mask 0, entropy 99 that must never count)."""
+    r = batch.responses
+    fields = {"response_mask": [], "advantages": [], ANSWER_MASK_KEY: [], "entropy": []}
+    fields.update({span_mask_key(s): [] for s in r.span_masks})
+    for k, n in enumerate(r.mask.sum(-1).tolist()):
+        fields["response_mask"].append(torch.ones(n, dtype=torch.int64))
+        fields["advantages"].append(torch.full((n,), float(batch.advantages[k])))
+        fields[ANSWER_MASK_KEY].append(r.answer_mask[k, :n].long())
+        fields["entropy"].append(entropy[k, :n])
+        for span, m in r.span_masks.items():
+            fields[span_mask_key(span)].append(m[k, :n].long())
+    for rows in fields.values():
+        rows.append(rows[0].clone())
+    fields["response_mask"][-1] = torch.zeros(1, dtype=torch.int64)
+    fields["advantages"][-1] = torch.zeros(1)
+    fields["entropy"][-1] = torch.full((1,), 99.0)
+    out = {k: _nested(v) for k, v in fields.items()}
+    out["uid"] = [str(g) for g in batch.group_ids.tolist()] + ["pad"]
+    return tu.get_tensordict(out)
+
+
+@pytest.mark.parametrize("method", MASK_METHODS)
+@pytest.mark.slow
+def test_native_and_verl_draw_the_same_masks_and_log_the_same_mask_metrics(method):
+    from omgrpo.backends.verl.advantage import generic_masks, weight_jagged
+    from omgrpo.core.step import masked_step
+
+    batch, entropy, cfg = native_step(method)
+    native, native_metrics = masked_step(batch, cfg.algorithm, seed=13, step=7, entropy=entropy)
+    algo = compose_verl("paper_qwen3_1p7b", [f"method={method}"]).omgrpo.algorithm
+    data = stored_step(batch, entropy)
+    masked, verl_metrics = generic_masks(data, algo, seed=13, step=7)
+    assert set(native_metrics) == {"mask/frac", "mask/answer_overlap"}
+    assert verl_metrics == native_metrics  # one implementation: equal, not close
+    assert native_metrics["mask/frac"] > 0
+    lengths = batch.responses.mask.sum(-1).tolist()
+    if native.token_mask is None:  # closing_only: the answer weight masks
+        assert masked is None
+    else:
+        for k, n in enumerate(lengths):
+            assert torch.equal(masked[k, :n], native.token_mask[k, :n]), k
+        assert not masked[-1].any()  # the padding row
+    # the driver's advantage step: 0 on the masked tokens, the mask stored for the loss
+    names = list(data.keys())  # (iterating a TensorDict gives rows)
+    drop = ["entropy", *(k for k in names if k.startswith("omgrpo_span_"))]
+    out = weight_jagged(data.exclude(*drop), float(algo.answer_weight), False, 1e-6, masked)
+    assert (TOKEN_MASK_KEY in list(out.keys())) == (masked is not None)
+    w = float(algo.answer_weight)
+    for k, (adv, n) in enumerate(zip(out["advantages"].unbind(), lengths)):
+        gone = batch.responses.answer_mask[k, :n] if w == 0 else native.token_mask[k, :n]
+        expected = torch.where(gone, 0.0, float(batch.advantages[k]))
+        assert torch.equal(adv, expected), k
+
+
+@pytest.mark.parametrize("w", [0.0, 1.0])
+@pytest.mark.slow
+def test_native_and_verl_losses_agree_with_a_token_mask(actor_config_factory, w):
+    """One micro-batch, ratio below verl's dual-clip bound: the native `grpo_loss` with a token
+    mask and verl's loss (advantages weighted and masked by the driver, KL masked through
+    `omgrpo_token_mask`) give the same loss and per-token gradient, 0 on masked tokens."""
+    from omgrpo.backends.verl.advantage import weight_advantages
+
+    (rows,) = make_rows(2)[:1]
+    g = torch.Generator().manual_seed(5)
+    masks = []
+    for r in rows:
+        r["old"] = r["logp"] + (torch.rand(len(r["logp"]), generator=g) - 0.5) * 0.6
+        masks.append(torch.rand(len(r["logp"]), generator=g) < 0.3)
+    config = actor_config_factory()
+    n_tokens = sum(len(r["logp"]) for r in rows)
+    # native
+    logp = _padded(rows, "logp").requires_grad_(True)
+    resp = _padded([{"m": torch.ones(len(r["logp"]), dtype=torch.bool)} for r in rows], "m")
+    masked = _padded([{"m": m} for m in masks], "m")
+    native_loss, _ = grpo_loss(
+        logp,
+        _padded(rows, "old"),
+        _padded(rows, "ref"),
+        torch.stack([r["adv"][0] for r in rows]),
+        resp,
+        _padded(rows, "answer"),
+        answer_weight=w,
+        clip=config.clip_ratio,
+        kl_coef=config.kl_loss_coef,
+        num_tokens=n_tokens,
+        token_mask=masked,
+    )
+    (native_grad,) = torch.autograd.grad(native_loss, logp)
+    # verl: the driver's weighted, masked advantages and the token mask field
+    weighted = weight_advantages(
+        _padded(rows, "adv"), resp, _padded(rows, "answer"), w, token_mask=masked
+    )
+    data, output = verl_micro_batch(rows, 3, n_tokens, len(rows))
+    data["advantages"] = _nested([weighted[i, : len(r["logp"])] for i, r in enumerate(rows)])
+    data[TOKEN_MASK_KEY] = _nested([m.long() for m in masks])
+    flat = output["log_probs"].clone().requires_grad_(True)
+    verl_loss, _ = omgrpo_ppo_loss(config, {"log_probs": flat}, data, answer_weight=w)
+    (flat_grad,) = torch.autograd.grad(verl_loss, flat)
+    assert verl_loss.item() == pytest.approx(native_loss.item(), rel=1e-6)
+    start = 0
+    for i, r in enumerate(rows):  # row i's response log-probs sit after its 3 - 1 prompt slots
+        n = len(r["logp"])
+        got = flat_grad[start + 2 : start + 2 + n]
+        torch.testing.assert_close(got, native_grad[i, :n], rtol=1e-5, atol=1e-9)
+        assert (got[masks[i]] == 0).all()
+        start += 3 + n

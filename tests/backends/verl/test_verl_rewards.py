@@ -31,7 +31,13 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics
 from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 from verl.workers.rollout.replica import TokenOutput
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
+from omgrpo.backends.verl import (
+    ANSWER_MASK_KEY,
+    FORMAT_SCORE_KEY,
+    RECORD_KEY,
+    SPAN_MASK_PREFIX,
+    span_mask_key,
+)
 from omgrpo.backends.verl import agent_loop as al
 from omgrpo.backends.verl.advantage import apply_answer_weighting
 from omgrpo.backends.verl.config import OmgrpoVerlConfig
@@ -481,6 +487,30 @@ def test_agent_loop_answer_masks_follow_the_answer_span(tok, monkeypatch):
         digit = text.rindex("{") + 1 if "{" in text else None
         expected = [] if digit is None else [digit, digit + 1, len(text)]
         assert mask.nonzero().flatten().tolist() == expected
+
+
+def test_agent_loop_hands_the_spans_the_generic_masks_read(tok, monkeypatch):
+    """With a generic mask the worker also hands `omgrpo_span_<span>` (the native trainer's
+    `Responses.span_masks`: `boxed` and the random mask's span), for the driver's step-wide
+    draw; without one, no such field."""
+    worker, handed = make_worker(tok, monkeypatch, car=False)
+    asyncio.run(run_group(worker, tok, RESPONSES))
+    assert not any(k.startswith(SPAN_MASK_PREFIX) for k in handed[0][1])
+    worker, handed = make_worker(tok, monkeypatch, car=False)
+    worker.omgrpo.algorithm.answer_span = "closing_only"
+    worker.omgrpo.algorithm.random_mask = "closing"
+    texts = [*RESPONSES, "no answer"]
+    outs = asyncio.run(run_group(worker, tok, texts))
+    rows = [torch.tensor(o.response_ids) for o in outs]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    native = decode_responses(
+        tok, ids, (ids != 0).long(), span="closing_only", spans=("boxed", "closing")
+    )
+    for k, out in enumerate(outs):
+        n, fields = len(out.response_ids), handed[k][1]
+        assert torch.equal(fields[ANSWER_MASK_KEY].bool(), native.answer_mask[k, :n])
+        for span in ("boxed", "closing"):
+            assert torch.equal(fields[span_mask_key(span)].bool(), native.span_masks[span][k, :n])
 
 
 # -- the process reward (PRM) ------------------------------------------------------------------

@@ -22,12 +22,19 @@ from transfer_queue import KVBatchMeta
 from verl.trainer.ppo.v1 import PPOTrainerSync
 from verl.utils import tensordict_utils as tu
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY
+from omgrpo.backends.verl import (
+    ANSWER_MASK_KEY,
+    FORMAT_SCORE_KEY,
+    RECORD_KEY,
+    TOKEN_MASK_KEY,
+    span_mask_key,
+)
 from omgrpo.backends.verl import trainer as trainer_mod
 from omgrpo.backends.verl.config import compose_verl
 from omgrpo.backends.verl.loss import omgrpo_ppo_loss
 from omgrpo.backends.verl.record import CarRecord, RolloutRecord
 from omgrpo.backends.verl.trainer import OmgrpoTrainer, entropy_split, validation_aliases
+from omgrpo.core.masks import random_token_mask, top_entropy_mask
 
 LAUNCH = [
     "actor_rollout_ref.model.path=/models/m",
@@ -141,6 +148,49 @@ def test_compute_advantage_weights_the_stored_rows(make_trainer, monkeypatch, fo
     reasoning_entropy = [0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 22.0, 23.0, 24.0]
     assert metrics["entropy/answer"] == pytest.approx(sum(answer_entropy) / 5)
     assert metrics["entropy/reasoning"] == pytest.approx(sum(reasoning_entropy) / 9)
+
+
+@pytest.mark.parametrize("method", ["om_grpo_no_car_random_mask", "om_grpo_no_car_top_entropy"])
+@pytest.mark.slow
+def test_compute_advantage_draws_the_generic_masks_over_the_step(make_trainer, monkeypatch, method):
+    """The driver reads the agent loop's span fields (and the old pass's entropy), draws the
+    mask over all the step's rows (a row's position: its rollout index; the padding row never
+    counts), zeroes the advantage of the masked tokens and stores the mask for the loss."""
+    trainer = make_trainer(f"method={method}")
+    trainer.global_steps = 4
+    rows = stored_rows()
+    for row in rows.values():  # the paper's span, as the agent loop hands it
+        row[span_mask_key("boxed")] = row[ANSWER_MASK_KEY].clone()
+    fake = FakeTQ(rows)
+    monkeypatch.setattr(trainer_mod, "tq", fake)
+    monkeypatch.setattr(PPOTrainerSync, "_compute_advantage", lambda self, b, metrics: b)
+    keys = list(rows)
+    metrics = {}
+    trainer._compute_advantage(KVBatchMeta(keys=keys, tags=[{} for _ in keys]), metrics)
+    ((_, fields),) = fake.gets
+    assert span_mask_key("boxed") in fields and "entropy" in fields
+    lengths = [4, 3, 5, 2, 1]
+    resp = torch.zeros(5, 5, dtype=torch.bool)
+    for i, n in enumerate(lengths[:4]):
+        resp[i, :n] = True
+    if method.endswith("random_mask"):  # as many tokens as each row's boxed span: 5 of 14
+        counts = [2, 1, 0, 2, 0]
+        expected = random_token_mask(resp, counts, seed=trainer.omgrpo.seed, step=4)
+        assert metrics["mask/frac"] == pytest.approx(5 / 14)
+    else:  # the old pass's entropies 0..3, 10..12, 20..24, 30..31; the padding row's 99 not
+        entropy = torch.zeros(5, 5)
+        for i, n in enumerate(lengths[:4]):
+            entropy[i, :n] = torch.arange(n) + 10.0 * i
+        expected = top_entropy_mask(entropy, resp, 0.2)
+        assert int(expected.sum()) == 14 - 3  # 30, 31 and 24 kept (the top fifth, rounded up)
+        assert metrics["mask/frac"] == pytest.approx(11 / 14)
+    for i, key in enumerate(keys):
+        n, row = lengths[i], rows[key]
+        assert torch.equal(row[TOKEN_MASK_KEY].bool(), expected[i, :n]), key
+        assert (row["advantages"][expected[i, :n]] == 0).all()
+        # w = 1 in both presets: the other tokens keep A_i
+        kept = row["advantages"][~expected[i, :n]]
+        assert (kept == [1.0, -1.0, 0.5, -0.5, 0.0][i]).all()
 
 
 @pytest.mark.slow
