@@ -33,6 +33,8 @@ EXPECTED_RUNS = {
     "collapse_study_v3_central": 6 * 1,
     # the v4 study (make study-v4): v3's central 6 arms per seed over 450 steps
     "collapse_study_v4_central": 6 * 1,
+    # its secondary arms: the three generic masks per seed, on the shipped base
+    "collapse_study_v4_secondary": 3 * 1,
 }
 
 
@@ -107,6 +109,7 @@ def test_sweeps_never_share_a_run_directory(plans):
         assert roots.pop(f"collapse_study_v2_{part}") == {"runs/collapse-study-v2"}
     assert roots.pop("collapse_study_v3_central") == {"runs/collapse-study-v3"}
     assert roots.pop("collapse_study_v4_central") == {"runs/collapse-study-v4"}
+    assert roots.pop("collapse_study_v4_secondary") == {"runs/collapse-study-v4"}
     assert roots.pop("prm") == {"runs/prm"}  # the PRM baselines (appendix) beside their own MV
     assert roots.pop("collapse_calibration") == {"runs/collapse-calibration"}
     assert set.union(*roots.values()) == {"runs"}
