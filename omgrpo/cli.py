@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(argv)
     except KeyboardInterrupt:
         raise
+    except SystemExit as e:  # argparse's usage errors (2, printed) and --help (0)
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     except Exception as e:  # the one place that reports every failure
         return report_failure(verb, e)
     finally:
@@ -292,7 +294,6 @@ def _base(args: list[str]) -> int:
     import argparse
     from pathlib import Path
 
-    from omgrpo.config import compose
     from omgrpo.models.basecheck import format_checks, read_base_checks
     from omgrpo.models.bases import ship_base
     from omgrpo.models.loading import base_model_dir
@@ -305,10 +306,7 @@ def _base(args: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
     ns = parser.parse_args(args)
     ship, overrides = ns.ship, ns.overrides
-    cfg = compose(overrides)
-    if cfg.model.path or cfg.task.name != "toy":
-        print("omgrpo base: only toy bases (model.path unset, task toy)", file=sys.stderr)
-        return 2
+    cfg = _toy_config("omgrpo base", overrides, ns)
     base = Path(base_model_dir(cfg.model, cfg.task, load_task(cfg.task)))
     checks = read_base_checks(base)
     print(f"base: {base}")
@@ -325,7 +323,6 @@ def _prm(args: list[str]) -> int:
     """`omgrpo prm train`: the toy PRM of a config, with its checks (docs/prm.md)."""
     import argparse
 
-    from omgrpo.config import compose
     from omgrpo.models.bases import write_shipped
     from omgrpo.models.loading import base_model_dir
     from omgrpo.models.toy_prm import (
@@ -342,10 +339,7 @@ def _prm(args: list[str]) -> int:
     parser.add_argument("--note", help="provenance note stored in the manifest (with --ship)")
     parser.add_argument("overrides", nargs="*", help="config overrides, as for `omgrpo train`")
     ns = parser.parse_args(args)
-    cfg = compose(ns.overrides)
-    if cfg.model.path or cfg.task.name != "toy":
-        print("omgrpo prm: only the toy PRM (model.path unset, task toy)", file=sys.stderr)
-        return 2
+    cfg = _toy_config("omgrpo prm", ns.overrides, ns)
     splits = load_task(cfg.task)
     seen = {p.question for split in (splits.train, splits.val, splits.test) for p in split}
     prm_dir = ensure_toy_prm(cfg, base_model_dir(cfg.model, cfg.task, splits), seen)
@@ -361,6 +355,26 @@ def _prm(args: list[str]) -> int:
         command = " ".join(["omgrpo prm train", *ns.overrides])
         print(f"shipped: {write_shipped(prm_dir, key, recipe, command, note=ns.note)}")
     return 0
+
+
+def _toy_config(prog: str, overrides: list[str], ns):
+    """`omgrpo base` / `omgrpo prm train`'s config: composed, its values in range, a toy model
+    on the toy task; --note only with --ship (InputError otherwise)."""
+    from omgrpo.config import check_values, compose
+    from omgrpo.errors import InputError
+
+    if ns.note is not None and not ns.ship:
+        raise InputError("--note is stored with --ship only", key="--note", found=ns.note)
+    cfg = compose(overrides)
+    check_values(cfg)
+    if cfg.model.path or cfg.task.name != "toy":
+        what = "toy bases" if prog == "omgrpo base" else "the toy PRM"
+        raise InputError(
+            f"{prog} makes {what} only",
+            found={"model.path": cfg.model.path, "task": cfg.task.name},
+            expected="model.path unset and the toy task",
+        )
+    return cfg
 
 
 def _sync(args: list[str]) -> int:
@@ -387,7 +401,19 @@ def _sync(args: list[str]) -> int:
     ):
         if value is not None:
             tracking[key] = value
-    run_id = sync_run(ns.run_dir, ns.to, tracking)
+    try:
+        run_id = sync_run(ns.run_dir, ns.to, tracking)
+    except Exception as e:  # the tracker refused: a bad URI, a server that is down
+        if not type(e).__module__.startswith(("mlflow", "wandb")):
+            raise
+        from omgrpo.errors import InputError
+
+        where = tracking.get("mlflow_uri") if ns.to == "mlflow" else tracking.get("wandb_project")
+        raise InputError(
+            f"{ns.to} refused the sync ({type(e).__name__}: {str(e).splitlines()[0][:300]})",
+            key="--mlflow-uri" if ns.to == "mlflow" else "--wandb-project",
+            found=where,
+        ) from e
     print(f"synced {ns.run_dir} to {ns.to}: run id {run_id}")
     return 0
 
@@ -404,11 +430,7 @@ def _compact(args: list[str]) -> int:
     )
     parser.add_argument("runs", nargs="+", help="run directories or folders of them")
     ns = parser.parse_args(args)
-    try:
-        run_dirs = find_run_dirs(*ns.runs)
-    except FileNotFoundError as e:  # also NoRunsError
-        print(f"omgrpo compact: {e}", file=sys.stderr)
-        return 1
+    run_dirs = find_run_dirs(*ns.runs)  # a missing path, no run: FileNotFoundError, exit 2
     done, running = 0, []
     for run_dir in run_dirs:
         store = RunStore(run_dir)

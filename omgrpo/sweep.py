@@ -59,9 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from omgrpo.errors import InputError
+from omgrpo.tracking.naming import SWEEP_ENV
 from omgrpo.tracking.store import DONE_STATES
 
 __all__ = [
@@ -93,13 +92,15 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     not `grid`, no `parameters`, a parameter without `values` (a non-empty list) or `value`, or
     a value that is not a scalar (nested blocks do not work with Hydra overrides).
     """
+    from omgrpo.errors import read_yaml
+
     path = Path(path)
-    try:
-        sweep = yaml.safe_load(path.read_text())
-    except FileNotFoundError as e:
-        raise SweepError(f"{path}: no such sweep file") from e
-    except yaml.YAMLError as e:
-        raise SweepError(f"{path}: not valid YAML: {e}") from e
+    if not path.exists():
+        raise SweepError(f"{path}: no such sweep file")
+    try:  # not a file, not UTF-8, not YAML: named with the line and column
+        sweep = read_yaml(path, "a W&B sweep YAML file")
+    except InputError as e:
+        raise SweepError(str(e)) from e
     if not isinstance(sweep, dict):
         raise SweepError(f"{path}: a sweep file must be a mapping with 'method' and 'parameters'")
     method = sweep.get("method")
@@ -255,6 +256,8 @@ def plan_runs(
                     uri = str(resolved or default_mlflow_uri(root))
         except Exception as e:
             raise SweepError(f"{path}: run {' '.join(overrides)} does not compose: {e}") from e
+        if backend == "native":
+            check_run(path, overrides, cfg)
         key = str(root / name)
         if key in seen:
             raise SweepError(
@@ -276,6 +279,24 @@ def plan_runs(
             state = "new"
         runs.append(PlannedRun(name, root, overrides, state, status, uri, cfg, backend))
     return runs
+
+
+def check_run(path: Path, overrides: list[str], cfg: Any) -> None:
+    """A native grid point's values in range (`config.check_values`: trainer.steps=0 or
+    rollout.n=0 failed each run only once it started) and a run name that stays inside its
+    run.root (`..` wrote runs beside it); SweepError naming the file and the run."""
+    from omgrpo.config import check_values
+
+    try:
+        check_values(cfg)
+    except InputError as e:
+        raise SweepError(f"{path}: run {' '.join(overrides)}: {e}") from e
+    name = str(cfg.run.name)
+    if not name.strip() or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise SweepError(
+            f"{path}: run {' '.join(overrides)}: run.name {name!r} would leave run.root "
+            "(a name, or a path inside run.root, without '..')"
+        )
 
 
 def backend_of(overrides: list[str]) -> str:
@@ -471,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(list(sys.argv[1:] if argv is None else argv))
     if args.jobs < 1:
         parser.error("--jobs must be >= 1")
+    if args.count is not None and args.count < 1:
+        parser.error("--count must be >= 1")
     if args.agent:
         if args.sweep_file or args.overrides:
             parser.error("--agent takes no sweep file or overrides (the sweep server has them)")
@@ -480,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         runs = plan_runs(args.sweep_file, args.overrides, retry_failed=args.retry_failed)
+        checkpoints = check_eval_args(args.eval, args.eval_checkpoint, args.tables)
     except SweepError as e:
-        print(f"omgrpo sweep: {e}", file=sys.stderr)
+        print(f"omgrpo sweep: error: {e}", file=sys.stderr)
         return 2
 
     sweep_name = Path(args.sweep_file).stem
@@ -500,11 +524,39 @@ def main(argv: list[str] | None = None) -> int:
 
     status = _execute(sweep_name, runs, todo, args.jobs)
     if args.eval:
-        checkpoints = [c.strip() for c in args.eval_checkpoint.split(",") if c.strip()]
         status = max(status, _evaluate(runs, args.eval, checkpoints, args.jobs))
         if args.tables:
             status = max(status, _tables(runs, args.tables, checkpoints))
     return status
+
+
+def check_eval_args(suite: str | None, checkpoints: str, tables: str | None) -> list[str]:
+    """--eval's suite read and checked, each of --eval-checkpoint's names valid and --tables
+    a folder (or new) before any run starts: they were found wrong only after the whole grid
+    had trained. Returns the checkpoint names; SweepError naming the flag."""
+    import re
+
+    from omgrpo.eval.suite import load_suite
+
+    names = [c.strip() for c in checkpoints.split(",") if c.strip()]
+    if tables and not suite:
+        raise SweepError("--tables needs --eval SUITE (the tables are of its evaluations)")
+    if not suite:
+        return names
+    try:
+        load_suite(suite)
+    except (InputError, FileNotFoundError) as e:
+        raise SweepError(f"--eval: {e}") from e
+    bad = [
+        c for c in names if c not in {"last", "best", "base"} and not re.fullmatch(r"step_\d+", c)
+    ]
+    if bad or not names:
+        raise SweepError(
+            f"--eval-checkpoint: {bad or checkpoints!r}: expected last, best, base or step_N"
+        )
+    if tables and Path(tables).exists() and not Path(tables).is_dir():
+        raise SweepError(f"--tables {tables}: not a folder")
+    return names
 
 
 def _print_plan(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jobs: int) -> None:
@@ -589,6 +641,7 @@ def _execute(sweep_name: str, runs: list[PlannedRun], todo: list[PlannedRun], jo
     lock = threading.Lock()
 
     env = {"WANDB_MODE": "offline", "MLFLOW_DISABLE_TELEMETRY": "true", **os.environ}
+    env[SWEEP_ENV] = sweep_name  # each run's MLflow tag `sweep`
 
     def summary() -> str:
         return ", ".join(f"{counts[k]} {k}" for k in ("done", "skipped", "failed", "running"))

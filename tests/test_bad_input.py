@@ -1019,3 +1019,248 @@ def test_study_report_refuses_a_bad_preregistration(tmp_path, capsys, monkeypatc
     argv = ["study-report", "runs", "--prereg", "pre.md", "--out", "st"]
     err = refuse(argv, tmp_path, capsys, monkeypatch, _study_setup(prereg))
     assert names in err
+
+
+# -- bench memory: sizes and configs checked before the first (minutes-long) measurement ----------
+def _model_dirs(root: Path) -> None:
+    good = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "vocab_size": 256,
+    }
+    configs = {
+        "m": json.dumps(good),
+        "broken": "{broken",
+        "partial": json.dumps({"model_type": "qwen2", "hidden_size": 64}),
+        "odd-head": json.dumps({**good, "hidden_size": 120}),  # head dim 30: not / 16
+    }
+    for name, text in configs.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(text)
+    (root / "empty").mkdir()
+    (root / "afile").write_text("x")
+
+
+BENCH_MEMORY = [
+    ("shrink-zero", ["--shrink", "0"], "--shrink (found 0"),
+    ("shrink-negative", ["--shrink", "-16"], "--shrink (found -16"),
+    ("prompts-zero", ["--prompts", "0"], "--prompts (found 0"),
+    ("rollouts-negative", ["--rollouts", "-1"], "--rollouts (found -1"),
+    ("micro-zero", ["--micro", "0"], "--micro (found 0"),
+    ("gen-tokens-zero", ["--gen-tokens", "0"], "--gen-tokens (found 0"),
+    ("steps-zero", ["--steps", "0"], "--steps (found 0"),
+    ("no-such-config", ["--configs", "nope"], "--configs: no config.json (found 'nope'"),
+    ("config-a-file", ["--configs", "afile"], "found 'afile'"),
+    ("config-folder-empty", ["--configs", "empty"], "found 'empty'"),
+    ("config-json-broken", ["--configs", "broken"], "broken/config.json: not valid JSON"),
+    ("config-fields-missing", ["--configs", "partial"], "partial/config.json: num_hidden_layers"),
+    ("head-dim-not-shrinkable", ["--configs", "odd-head"], "odd-head/config.json: head dim 30"),
+    ("second-config-bad", ["--configs", "m,broken"], "broken/config.json"),  # none measured
+    ("empty-config-name", ["--configs", "m,"], "--configs (found 'm,'"),
+    ("overrides", ["--configs", "m", "seed=1"], "takes no config overrides"),
+    ("out-a-folder", ["--configs", "m", "--out", "empty"], "--out: a folder"),
+    ("out-folder-missing", ["--configs", "m", "--out", "nope/x.json"], "its folder does not exist"),
+    ("unknown-bench", None, "invalid choice: 'nope'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in BENCH_MEMORY], ids=[r[0] for r in BENCH_MEMORY]
+)
+def test_bench_memory_refuses_before_measuring(tmp_path, capsys, monkeypatch, args, names):
+    from omgrpo.tools import memory_bench
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a refused bench started a measurement")
+
+    monkeypatch.setattr(memory_bench, "_run_worker", measured)
+    argv = ["bench", "nope"] if args is None else ["bench", "memory", *args]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, _model_dirs)
+    assert names in err
+
+
+# -- sweep: the whole grid checked before the first run starts ----------------------------------
+SWEEP_FILES = {
+    "ok.yaml": {"method": "grid", "parameters": {"seed": {"values": [0, 1]}}},
+    "steps-zero.yaml": {"method": "grid", "parameters": {"trainer.steps": {"values": [5, 0]}}},
+    "n-zero.yaml": {"method": "grid", "parameters": {"rollout.n": {"values": [0]}}},
+    "lr-nan.yaml": {"method": "grid", "parameters": {"optim.lr": {"value": float("nan")}}},
+    "dotdot.yaml": {"method": "grid", "parameters": {"run.name": {"values": ["../../evil"]}}},
+    "bad-type.yaml": {"method": "grid", "parameters": {"trainer.steps": {"values": ["abc"]}}},
+    "no-key.yaml": {"method": "grid", "parameters": {"nokey": {"values": [1]}}},
+    "random.yaml": {"method": "random", "parameters": {"seed": {"values": [0]}}},
+    "no-parameters.yaml": {"method": "grid"},
+    "nested.yaml": {"method": "grid", "parameters": {"seed": {"values": [{"a": 1}]}}},
+    "distribution.yaml": {"method": "grid", "parameters": {"optim.lr": {"min": 0.1, "max": 1}}},
+    "values-empty.yaml": {"method": "grid", "parameters": {"seed": {"values": []}}},
+    "same-dir.yaml": {"method": "grid", "parameters": {"optim.lr": {"values": [0.1, 0.2]}}},
+}
+
+
+def _sweep_setup(root: Path) -> None:
+    for name, data in SWEEP_FILES.items():
+        (root / name).write_text(yaml.safe_dump(data))
+    (root / "broken.yaml").write_text("method: grid\nparameters: [\n")
+    (root / "empty.yaml").write_text("")
+    (root / "a-list.yaml").write_text("- 1\n")
+    (root / "not-utf8.yaml").write_bytes(b"\xff\xfe")
+    (root / "folder.yaml").mkdir()
+    (root / "afile").write_text("x")
+
+
+SWEEP = [
+    ("value-out-of-range", ["steps-zero.yaml"], "run trainer.steps=0"),  # it failed mid-grid
+    ("rollout-n-zero", ["n-zero.yaml"], "rollout.n (found 0"),
+    ("lr-nan", ["lr-nan.yaml"], "optim.lr (found nan"),
+    ("name-leaves-root", ["dotdot.yaml"], "run.name '../../evil' would leave run.root"),
+    ("bad-type", ["bad-type.yaml"], "trainer.steps=abc"),
+    ("unknown-key", ["no-key.yaml"], "nokey"),
+    ("method-random", ["random.yaml"], "random.yaml: method: 'random' is not supported"),
+    ("no-parameters", ["no-parameters.yaml"], "no-parameters.yaml: missing or empty"),
+    ("nested-value", ["nested.yaml"], "nested.yaml: parameters.seed: value {'a': 1}"),
+    ("distribution", ["distribution.yaml"], "parameters.optim.lr: needs 'values'"),
+    ("values-empty", ["values-empty.yaml"], "parameters.seed.values: must be a non-empty list"),
+    ("two-runs-one-dir", ["same-dir.yaml"], "two grid points get the same run directory"),
+    ("broken-yaml", ["broken.yaml"], "broken.yaml, line 3, column 1: not valid YAML"),
+    ("empty-file", ["empty.yaml"], "empty.yaml: a sweep file must be a mapping"),
+    ("a-list", ["a-list.yaml"], "a-list.yaml: a sweep file must be a mapping"),
+    ("not-utf8", ["not-utf8.yaml"], "not-utf8.yaml: not UTF-8"),  # a traceback before
+    ("a-folder", ["folder.yaml"], "folder.yaml: not a file"),
+    ("no-such-file", ["nothere.yaml"], "nothere.yaml: no such sweep file"),
+    ("override-out-of-range", ["ok.yaml", "trainer.steps=-1"], "trainer.steps (found -1"),
+    ("override-unknown", ["ok.yaml", "nokey=1"], "nokey"),
+    ("jobs-zero", ["ok.yaml", "--jobs", "0"], "--jobs must be >= 1"),
+    ("eval-suite-missing", ["ok.yaml", "--eval", "nope.yaml"], "--eval: nope.yaml: suite file"),
+    ("eval-checkpoint", ["ok.yaml", "--eval", "toy", "--eval-checkpoint", "latest"], "latest"),
+    ("tables-a-file", ["ok.yaml", "--eval", "toy", "--tables", "afile"], "--tables afile"),
+    ("tables-without-eval", ["ok.yaml", "--tables", "t"], "--tables needs --eval"),
+    ("agent-count-negative", ["--agent", "e/p/id", "--count", "-1"], "--count must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("args", "names"), [r[1:] for r in SWEEP], ids=[r[0] for r in SWEEP])
+def test_sweep_refuses_before_any_run(tmp_path, capsys, monkeypatch, args, names):
+    from omgrpo import sweep
+
+    def execute(*args, **kwargs):
+        raise AssertionError("a refused sweep started its runs")
+
+    monkeypatch.setattr(sweep, "_execute", execute)
+    monkeypatch.setattr(sweep, "_run_agents", execute)
+    err = refuse(["sweep", *args, "run.root=runs"], tmp_path, capsys, monkeypatch, _sweep_setup)
+    assert names in err
+
+
+# -- sync: a damaged store refused before a tracker or the run directory is written ---------------
+def _sync_setup(
+    config: str = "run: {name: r}\n", metrics: str = '{"train/step": 1}\n', status=None
+):
+    def setup(root: Path) -> None:
+        run = root / "runs" / "r"
+        run.mkdir(parents=True)
+        (run / "config.yaml").write_text(config)
+        (run / "metrics.jsonl").write_text(metrics)
+        if status is not None:
+            (run / "status.json").write_text(status)
+        (root / "afile").write_text("x")
+        (root / "empty").mkdir()
+
+    return setup
+
+
+SYNC = [
+    ("no-such-run", ["nothere"], _sync_setup(), "nothere/config.yaml not found"),
+    ("run-a-file", ["afile"], _sync_setup(), "afile/config.yaml not found"),
+    ("not-a-run", ["empty"], _sync_setup(), "empty/config.yaml not found"),
+    ("config-broken", ["runs/r"], _sync_setup(config="a: [\n"), "runs/r/config.yaml, line 2"),
+    ("tracking-a-list", ["runs/r"], _sync_setup(config="tracking: [1]\n"), "tracking (found [1]"),
+    (
+        "metrics-broken",  # before: the MLflow run was made, then the sync failed
+        ["runs/r"],
+        _sync_setup(metrics='{"train/st\n{"train/step": 2}\n'),
+        "runs/r/metrics.jsonl, line 1: invalid JSON",
+    ),
+    (
+        "status-broken",  # before: identity.json and trackers.json were written first
+        ["runs/r"],
+        _sync_setup(status="{"),
+        "runs/r/status.json, line 1, column 2",
+    ),
+    ("unknown-tracker", ["runs/r", "--to", "tensorboard"], _sync_setup(), "invalid choice"),
+    (
+        "mlflow-uri-unsupported",  # an MlflowException traceback before
+        ["runs/r", "--mlflow-uri", "nonsense://x"],
+        _sync_setup(),
+        "--mlflow-uri: mlflow refused the sync",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "setup", "names"), [r[1:] for r in SYNC], ids=[r[0] for r in SYNC]
+)
+def test_sync_refuses_a_damaged_store_before_writing(
+    tmp_path, capsys, monkeypatch, args, setup, names
+):
+    for var in ("MLFLOW_TRACKING_URI",):
+        monkeypatch.delenv(var, raising=False)
+    if "--to" not in args:
+        args = [*args, "--to", "mlflow"]
+    err = refuse(["sync", *args], tmp_path, capsys, monkeypatch, setup)
+    assert names in err
+
+
+# -- base and prm train: the config checked before a toy model is trained ------------------------
+BASE_PRM = [
+    ("not-a-toy-model", ["model.path=m"], "makes toy bases only"),
+    ("not-the-toy-task", ["task=files"], "task=files"),
+    ("unknown-key", ["nokey=1"], "nokey"),
+    ("value-out-of-range", ["task.n_train=-1"], "task.n_train (found -1"),
+    ("rollout-n-zero", ["rollout.n=0"], "rollout.n (found 0"),
+    ("note-without-ship", ["--note", "x"], "--note is stored with --ship only"),
+]
+
+
+@pytest.mark.parametrize("verb", [["base"], ["prm", "train"]], ids=["base", "prm"])
+@pytest.mark.parametrize(("args", "names"), [r[1:] for r in BASE_PRM], ids=[r[0] for r in BASE_PRM])
+def test_base_and_prm_refuse_before_training(tmp_path, capsys, monkeypatch, verb, args, names):
+    from omgrpo.models import loading
+
+    def train(*args, **kwargs):
+        raise AssertionError("a refused command started training a toy model")
+
+    monkeypatch.setattr(loading, "base_model_dir", train)
+    if verb[0] == "prm":
+        names = names.replace("toy bases", "the toy PRM")
+    err = refuse([*verb, *args], tmp_path, capsys, monkeypatch, lambda r: (r / "m").mkdir())
+    assert names in err
+
+
+PLAN_VERL = [
+    ("no-preset", ["--device-gb", "10"], "experiment: name a verl preset"),
+    ("device-gb-nan", ["experiment=paper_qwen3_1p7b", "--device-gb", "nan"], "--device-gb"),
+    ("device-gb-zero", ["experiment=paper_qwen3_1p7b", "--device-gb", "0"], "--device-gb"),
+    ("no-model-path", ["experiment=paper_qwen3_1p7b", "--device-gb", "10"], "model.path: set"),
+    (
+        "no-such-model",
+        [
+            "experiment=paper_qwen3_1p7b",
+            "actor_rollout_ref.model.path=/nonexistent",
+            "--device-gb",
+            "10",
+        ],
+        "'/nonexistent'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in PLAN_VERL], ids=[r[0] for r in PLAN_VERL]
+)
+def test_plan_of_a_verl_preset_refuses(tmp_path, capsys, monkeypatch, args, names):
+    err = refuse(["plan", "backend=verl", *args], tmp_path, capsys, monkeypatch)
+    assert names in err

@@ -51,6 +51,7 @@ from pathlib import Path
 import torch
 
 from omgrpo.config import compose
+from omgrpo.errors import InputError, check_int
 from omgrpo.tracking.provenance import collect_provenance
 from omgrpo.tracking.store import RunStore
 
@@ -88,7 +89,7 @@ def bench_car(
     chosen = variants or list(CAR_VARIANTS)
     unknown = sorted(set(chosen) - set(CAR_VARIANTS))
     if unknown or not {"a_mv", "c_om_grpo_car"} <= set(chosen):
-        raise ValueError(
+        raise InputError(
             f"bench car --variants: unknown {unknown}; valid: {', '.join(CAR_VARIANTS)} "
             "(a_mv and c_om_grpo_car are always needed)"
         )
@@ -200,6 +201,7 @@ STEP_SHAPES = {"16x8": ["trainer.prompts_per_step=16"], "64x8": ["trainer.prompt
 _MEASURE = """
 import json, sys, tempfile
 from omgrpo.config import compose
+from omgrpo.errors import InputError, check_int
 from omgrpo.tracking.store import RunStore
 from omgrpo.backends.native.trainer import train
 steps, overrides = int(sys.argv[1]), sys.argv[2:]
@@ -273,7 +275,7 @@ def bench_step(
     repeats: int = 1,
 ) -> dict:
     if repeats < 1:
-        raise ValueError(f"bench step: --repeats must be >= 1, got {repeats}")
+        raise InputError(key="--repeats", found=repeats, expected="an integer >= 1")
     fixed = _fixed(steps, ["method=mv", *(overrides or [])])
     # A relative cache dir would differ between this tree and the baseline's working dir.
     cache = Path(compose(fixed).model.cache_dir).resolve()
@@ -477,9 +479,28 @@ def _kwargs(ns) -> dict:
     return {"variants": ns.variants}
 
 
+def _check_args(ns) -> None:
+    """Every size flag >= 1 and --out a file that can be written, checked before any
+    measurement starts (InputError naming the flag): a bench runs for minutes, and wrote its
+    --out only at the end."""
+    sizes = ("steps", "repeats", "shrink", "prompts", "rollouts", "micro", "rounds")
+    for name in sizes:
+        check_int(getattr(ns, name), f"--{name}", minimum=1)
+    for name in ("gen_tokens", "prompt_len"):
+        if getattr(ns, name) is not None:
+            check_int(getattr(ns, name), "--" + name.replace("_", "-"), minimum=1)
+    if ns.configs is not None and not all(c.strip() for c in ns.configs):
+        raise InputError(key="--configs", found=",".join(ns.configs), expected="names, no empty")
+    out = ns.out
+    if out is not None and (out.is_dir() or not out.parent.is_dir()):
+        why = "a folder" if out.is_dir() else "its folder does not exist"
+        raise InputError(why, key="--out", found=str(out), expected="a file to write")
+
+
 def main(argv: list[str]) -> int:
     parser = _parser()
     ns = parser.parse_intermixed_args(argv)
+    _check_args(ns)
     if ns.vs_trl and not _trl_installed():  # before any run: the peer would fail last
         parser.error(
             "--vs-trl needs TRL (the `bench` extra), which cannot share an environment with "

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from omgrpo.errors import InputError
 from omgrpo.tools.memory_bench import CONFIGS, shrunk_config
 
 TREE = Path(__file__).resolve().parents[2]
@@ -348,11 +349,14 @@ def bench_generate(
 ) -> dict:
     """Decoder speed per config (or the toy shapes with `toy`), new vs `compare` (docstring)."""
     if overrides:
-        raise ValueError("bench generate takes no config overrides (its sizes are its options)")
+        raise InputError(
+            "bench generate takes no config overrides (its sizes are its options)",
+            found=overrides,
+        )
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("bench generate --device cuda: torch sees no CUDA device here")
+        raise InputError("torch sees no CUDA device here", key="--device", found=device)
     if min(prompts, n, prompt_len, repeats) < 1 or gen_tokens < 2:
-        raise ValueError("bench generate: sizes must be >= 1 and --gen-tokens >= 2")
+        raise InputError("bench generate: sizes must be >= 1 and --gen-tokens >= 2")
     result: dict = {"benchmark": "generate", "device": device, "compare": compare}
     with tree_of(compare) as old_tree:
         if toy:

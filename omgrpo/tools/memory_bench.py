@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from omgrpo.errors import InputError
+
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "model_configs"
 BACKBONES = ("qwen3-1.7b-base", "llama-3.2-3b-instruct", "qwen2.5-7b")
 TARGET = 0.25  # the planner's accuracy goal: measured peak within 25 % of the plan
@@ -65,7 +67,11 @@ def shrunk_config(source: Path, shrink: int) -> dict:
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim % shrink or (head_dim // shrink) % 2:
-        raise ValueError(f"{source}: head dim {head_dim} / shrink {shrink} must be even")
+        raise InputError(
+            f"head dim {head_dim} / --shrink {shrink} is not a whole even number",
+            file=source / "config.json",
+            expected="a --shrink that divides the head dim into an even number",
+        )
     small = head_dim // shrink
     config.update(
         hidden_size=config["hidden_size"] // shrink,
@@ -78,6 +84,22 @@ def shrunk_config(source: Path, shrink: int) -> dict:
     )
     config.pop("torch_dtype", None)
     return config
+
+
+def config_source(name: str, shrink: int) -> Path:
+    """The folder of a `--configs` entry (a fixture name or a directory), its config.json
+    checked as the planner reads it and shrinkable by `shrink` (InputError naming the file and
+    field), before any measurement starts."""
+    from omgrpo.models.memory import check_model_config
+
+    source = Path(name) if Path(name).is_dir() else CONFIGS / name
+    if not (source / "config.json").is_file():
+        raise InputError(
+            "no config.json", key="--configs", found=name, expected="a fixture name or a folder"
+        )
+    check_model_config(str(source))
+    shrunk_config(source, shrink)
+    return source
 
 
 def plan_overrides(model_dir: Path, spec: dict) -> list[str]:
@@ -112,11 +134,13 @@ def bench_memory(
 ) -> dict:
     """Planned vs measured peak memory per stage for each config (module docstring)."""
     if overrides:
-        raise ValueError("bench memory takes no config overrides (its sizes are its options)")
+        raise InputError(
+            "bench memory takes no config overrides (its sizes are its options)", found=overrides
+        )
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"bench memory: --device must be cpu or cuda, not {device!r}")
+        raise InputError(key="--device", found=device, expected="cpu or cuda")
     if device == "cuda" and not _cuda_available():
-        raise RuntimeError("bench memory --device cuda: torch sees no CUDA device here")
+        raise InputError("torch sees no CUDA device here", key="--device", found=device)
     spec = {
         "device": device,
         "shrink": shrink,
@@ -127,11 +151,9 @@ def bench_memory(
         "new_tokens": new_tokens,
         "gen_tokens": gen_tokens or new_tokens,
     }
+    sources = [config_source(name, shrink) for name in configs or BACKBONES]  # all, first
     results = {}
-    for name in configs or BACKBONES:
-        source = Path(name) if Path(name).is_dir() else CONFIGS / name
-        if not (source / "config.json").is_file():
-            raise FileNotFoundError(f"bench memory: no config.json in {source}")
+    for source in sources:
         print(f"bench memory: {source.name}", file=sys.stderr, flush=True)
         results[source.name] = _run_worker(source, spec)
         if partial is not None:

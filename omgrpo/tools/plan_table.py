@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "model_configs"
@@ -110,7 +109,8 @@ def verl_plan_main(args: list[str]) -> int:
     """`omgrpo plan backend=verl experiment=X [verl overrides] --device-gb N [--json]`:
     0 fits, 1 does not fit, 2 no plan."""
     from omgrpo.backends.verl.config import compose_verl
-    from omgrpo.models.memory import GIB
+    from omgrpo.errors import InputError, check_number
+    from omgrpo.models.memory import GIB, check_model_config
     from omgrpo.models.verl_memory import format_verl_plan, plan_verl
 
     parser = argparse.ArgumentParser(prog="omgrpo plan backend=verl")
@@ -118,20 +118,19 @@ def verl_plan_main(args: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("overrides", nargs="*")
     ns = parser.parse_intermixed_args(args)
+    check_number(ns.device_gb, "--device-gb", minimum=0, exclusive_minimum=True)
     experiments = [o.partition("=")[2] for o in ns.overrides if o.startswith("experiment=")]
     if not experiments:
-        print("omgrpo plan backend=verl: name a preset, experiment=X", file=sys.stderr)
-        return 2
+        raise InputError("name a verl preset", key="experiment", expected="experiment=X")
     rest = [o for o in ns.overrides if not o.startswith(("experiment=", "backend="))]
     cfg = compose_verl(experiments[-1], rest)
     model_dir = cfg.actor_rollout_ref.model.path
-    if not model_dir or not (Path(model_dir) / "config.json").is_file():
-        print(
-            "omgrpo plan backend=verl: set actor_rollout_ref.model.path to a directory with "
-            f"the model's config.json (no weights needed); got {model_dir}",
-            file=sys.stderr,
+    if not model_dir:
+        raise InputError(
+            "set it to a directory with the model's config.json (no weights needed)",
+            key="actor_rollout_ref.model.path",
         )
-        return 2
+    check_model_config(str(model_dir))
     plan = plan_verl(cfg, model_dir, int(ns.device_gb * GIB))
     print(json.dumps(plan.to_json(), indent=2) if ns.json else format_verl_plan(plan))
     return 0 if plan.fits else 1

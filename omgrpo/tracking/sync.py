@@ -59,6 +59,11 @@ def sync_run(run_dir: str | Path, to: str, tracking_cfg: Any = None) -> str:
     run_dir = Path(run_dir)
     store = RunStore(run_dir)
     config = store.read_config()
+    # every file read before a tracker is touched: a damaged store is refused (InputError,
+    # named) with nothing written to the tracker or to the run directory
+    store.metric_rows()
+    store.read_status()
+    store.rollout_files()
     run = config.get("run") or {}
     name = str(run.get("name") or run_dir.name)
     group = str(run.get("experiment") or "omgrpo")

@@ -98,4 +98,5 @@ def test_cli_compacts_finished_runs_and_leaves_running_ones(tmp_path, capsys):
     assert "compacted 1 of 2 runs" in out and "still running: b" in out
     assert cli_main(["compact", str(tmp_path / "runs" / "a")]) == 0
     assert "compacted 0 of 1 runs; 1 were compact already" in capsys.readouterr().out
-    assert cli_main(["compact", str(tmp_path / "nothing")]) == 1
+    assert cli_main(["compact", str(tmp_path / "nothing")]) == 2  # bad input: exit 2, named
+    assert "omgrpo compact: error: " in capsys.readouterr().err
