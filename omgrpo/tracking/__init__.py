@@ -38,6 +38,8 @@ Modules, one job each:
 - `mlflow_tracker`, `wandb_tracker`: one backend each (a new tracker is one new module here,
   implementing `Tracker`, plus a line in `build_trackers`); `worker`: MLflow's writer thread
   (a bounded queue); `retry`: which errors are transient, and the retry policy (tenacity).
+- `artifacts`: `omgrpo report`'s figures and tables logged to its runs' MLflow runs
+  (`log_report_artifacts`).
 - `store`: the local run store; `sync`: replay a run store into a backend afterwards.
 """
 

@@ -24,6 +24,7 @@ from omgrpo.tracking.naming import (
     param_value,
     redact,
     run_dir_key,
+    run_group_tags,
     run_method,
     run_scale,
     sanitize_metric_name,
@@ -40,6 +41,15 @@ RUN_DIR_TAG = "omgrpo.run_dir"
 """Where the run store was when the run (segment) started: informative only."""
 RUN_UUID_TAG = "omgrpo.run_uuid"
 """The run's identity (`RunStore.run_uuid()`): supersession, resume and sync match on it."""
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag that picks the MLflow UI's view (3.x); without it the UI guesses, and
+shows an omgrpo experiment as a GenAI one ("Evaluations")."""
+MODEL_TRAINING_KIND = "custom_model_development"
+"""The kind the UI labels "Machine learning": runs, their metrics' charts, artifacts."""
+ML_WORKFLOW_QUERY = "workflowType=machine_learning"
+"""MLflow 3.17's UI picks its view from a per-browser switch ("GenAI" / "Model training",
+GenAI by default) and not from the experiment's kind tag: a link with this query opens the
+model-training view (and makes it the browser's choice from then on)."""
 PROBE_S = float(os.environ.get("OMGRPO_MLFLOW_PROBE_S", "5"))
 """While the store is not answering, writes are dropped (the run store has them) and one call
 is tried again at most this often ($OMGRPO_MLFLOW_PROBE_S, seconds); the first that passes
@@ -237,6 +247,7 @@ class MLflowTracker:
             "group": str(group),
             "method": run_method(config),
             "scale": run_scale(config),
+            **run_group_tags(config),  # arm, seed, experiment, unit, base, sweep
         }
         if resume_step is not None:
             run_tags["omgrpo.resumed_from_step"] = str(resume_step)
@@ -494,20 +505,43 @@ class MLflowTracker:
             if exp is not None:
                 if exp.lifecycle_stage == "deleted":
                     client.restore_experiment(exp.experiment_id)
-                return exp.experiment_id
+                return _model_training(client, exp)
             location = None
             if db is not None:  # next to the DB, not in the working directory
                 slug = re.sub(r"[^\w.\-]+", "_", name)
                 location = (db.resolve().parent / "mlartifacts" / slug).as_uri()
             try:
-                return client.create_experiment(name, artifact_location=location)
+                kind = {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
+                return client.create_experiment(name, artifact_location=location, tags=kind)
             except MlflowException as e:  # another agent created it since we looked
                 if e.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
                 exp = client.get_experiment_by_name(name)
                 if exp is None:
                     raise
-                return exp.experiment_id
+                return _model_training(client, exp)
+
+
+def dashboard_url(
+    server: str, experiment_id: str, run_id: str | None = None, tab: str = "model-metrics"
+) -> str:
+    """The MLflow UI's page of an experiment (its runs) or of a run (`tab`: `model-metrics`,
+    `overview`, `artifacts`, ...) on `server` (`http://host:port`), in the model-training
+    view (`ML_WORKFLOW_QUERY`)."""
+    page = f"{server.rstrip('/')}/#/experiments/{experiment_id}"
+    if run_id is not None:
+        page += f"/runs/{run_id}/{tab}"
+    return f"{page}?{ML_WORKFLOW_QUERY}"
+
+
+def _model_training(client, experiment) -> str:
+    """The experiment's id, after tagging it as model training (`EXPERIMENT_KIND_TAG`) unless it
+    has a kind already: one the user picked in the UI or set themselves is kept."""
+    if not (experiment.tags or {}).get(EXPERIMENT_KIND_TAG):
+        client.set_experiment_tag(
+            experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND
+        )
+    return experiment.experiment_id
 
 
 def _all_experiments(client):

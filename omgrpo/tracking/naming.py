@@ -1,6 +1,7 @@
 """What a tracker is handed: secrets masked (`redact`), metric names MLflow accepts
 (`sanitize_metric_name`), flat params (`flatten`), plain values (`as_float`) and the ids and
-tags a run is known by (`stable_run_id` from the run's UUID, `run_method`, `run_scale`).
+tags a run is known by (`stable_run_id` from the run's UUID, `run_method`, `run_scale`,
+`run_group_tags`).
 
 Secrets: `redact` masks secret-looking config values before any backend sees the config.
 Names: `sanitize_metric_name` maps the metric names of the README/DESIGN contract onto what
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -197,3 +199,42 @@ def stable_run_id(run_uuid: str) -> str:
     """The W&B run id of the run with identity `run_uuid` (`RunStore.run_uuid()`): a resumed,
     moved or synced run lands in the same W&B run, a new run at a used path in a new one."""
     return str(run_uuid).replace("-", "")[:32]
+
+
+SWEEP_ENV = "OMGRPO_SWEEP"
+"""Set by `omgrpo sweep` for the runs it starts: the sweep's name, tagged `sweep`."""
+
+
+def run_group_tags(config: Mapping[str, Any], env: Mapping[str, str] | None = None) -> dict:
+    """The tags the MLflow UI groups a study's or sweep's runs by, where the config knows them:
+    `arm` (the method preset), `seed`, `experiment` (`run.experiment`: a study's world and
+    base), `unit` (`<experiment>/s<seed>`, the study's paired unit), `base` (the toy base's
+    warm-start seed, or the base model's folder) and `sweep` ($OMGRPO_SWEEP, set by
+    `omgrpo sweep`, or a W&B agent's $WANDB_SWEEP_ID). The run's own `run.tags` win over these."""
+    env = os.environ if env is None else env
+    if not isinstance(config, Mapping):
+        return {}
+    if "run" not in config and isinstance(config.get("omgrpo"), Mapping):
+        config = config["omgrpo"]  # a verl run's store config nests omgrpo's
+    run = config.get("run") if isinstance(config.get("run"), Mapping) else {}
+    model = config.get("model") if isinstance(config.get("model"), Mapping) else {}
+    tags = {}
+    arm = config.get("method") or run.get("variant")
+    if arm:
+        tags["arm"] = str(arm)
+    seed, experiment = config.get("seed"), run.get("experiment")
+    if seed is not None:
+        tags["seed"] = str(seed)
+    if experiment:
+        tags["experiment"] = str(experiment)
+    if seed is not None and experiment:
+        tags["unit"] = f"{experiment}/s{seed}"
+    warm = model.get("warm_start") if isinstance(model.get("warm_start"), Mapping) else {}
+    if model.get("path"):
+        tags["base"] = run_scale(config)
+    elif warm.get("seed") is not None:
+        tags["base"] = f"toy/warm_start.seed={warm['seed']}"
+    sweep = env.get(SWEEP_ENV) or env.get("WANDB_SWEEP_ID")  # a local sweep, or a W&B agent's
+    if sweep:
+        tags["sweep"] = str(sweep)
+    return tags
