@@ -80,6 +80,9 @@ def write_report(
         lines = _report_lines(df, dirs, sources, figures, out_dir, title, tmp)
         (tmp / "report.md").write_text("\n".join(lines))
         (tmp / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
+    from omgrpo.tracking.artifacts import log_report_artifacts
+
+    log_report_artifacts(dirs, out_dir)  # to each run's MLflow run, where it has one
     return out_dir / "report.md"
 
 
