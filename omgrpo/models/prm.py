@@ -192,6 +192,74 @@ class ProcessRewardModel:
         return score_within_budget(items, self.score_batch, self.batch_size, self.budget_s)
 
 
+def check_prm_weights(
+    path: str | Path, settings: PrmSettings, model: torch.nn.Module, info: dict[str, Any]
+) -> None:
+    """Refuse (InputError naming the checkpoint and the weights) a PRM whose checkpoint lacks
+    weights of the model `reward.prm.format` loads, which transformers would initialise at
+    random: a base language model given as a token_classification PRM has no classification
+    head, so every step would be scored by a random head (before: it trained to "run
+    finished" on a random reward). Also a good_label past the head's labels."""
+    from omgrpo.errors import InputError
+
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = sorted(
+        str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or []
+    )
+    if missing or mismatched:
+        shown = ", ".join((missing + mismatched)[:6]) + (
+            " ..." if len(missing) + len(mismatched) > 6 else ""
+        )
+        raise InputError(
+            f"not a {settings.format} PRM: the checkpoint has no {shown} (transformers would "
+            "initialise them at random, so every step's score would be noise)",
+            file=path,
+            key="reward.prm.path",
+            expected=f"a PRM checkpoint whose weights include the {settings.format} head "
+            "(or set reward.prm.format to the checkpoint's kind)",
+        )
+    labels = getattr(model.config, "num_labels", None)
+    classifies = settings.format == "token_classification" and labels is not None
+    if classifies and not 0 <= settings.good_label < labels:
+        raise InputError(
+            f"the PRM's head has {labels} labels",
+            file=path,
+            key="reward.prm.good_label",
+            found=settings.good_label,
+            expected=f"a label index from 0 to {labels - 1}",
+        )
+
+
+def check_prm_checkpoint(prm_cfg: Any) -> None:
+    """`reward.prm.path`, when it is a local directory, checked without reading a weight
+    (transformers builds the model on the meta device and compares the checkpoint's keys):
+    `check_prm_weights` before a run starts, so a PRM that is not one is refused before
+    anything is written. A hub id and the toy PRM (null path) are checked when they load."""
+    import contextlib
+    import io
+
+    from transformers.utils import logging as hf_logging
+
+    path = prm_cfg.path
+    if not path or not Path(str(path)).expanduser().is_dir():
+        return
+    path = Path(str(path)).expanduser()
+    settings = PrmSettings.resolve(prm_cfg, path)
+    auto = (
+        AutoModelForCausalLM if settings.format == "causal_lm" else AutoModelForTokenClassification
+    )
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would say the same, as a warning
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            model, info = auto.from_pretrained(
+                str(path), device_map="meta", output_loading_info=True
+            )
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_prm_weights(path, settings, model, info)
+
+
 def load_prm(
     path: str | Path, prm_cfg: Any, device: torch.device, dtype: torch.dtype
 ) -> ProcessRewardModel:
@@ -202,7 +270,9 @@ def load_prm(
     auto = (
         AutoModelForCausalLM if settings.format == "causal_lm" else AutoModelForTokenClassification
     )
-    model = auto.from_pretrained(str(path), dtype=dtype).to(device)
+    model, info = auto.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
+    check_prm_weights(path, settings, model, info)
+    model = model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     return ProcessRewardModel(
         model, tokenizer, settings, batch_size=prm_cfg.batch_size, budget_s=prm_cfg.budget_s

@@ -56,6 +56,10 @@ def _check_before_hydra(overrides: list[str]) -> None:
     try:
         check_config(cfg)
         skip_message(cfg)
+        if "process" in cfg.reward.parts:  # a PRM that is not one: its head's weights
+            from omgrpo.models.prm import check_prm_checkpoint
+
+            check_prm_checkpoint(cfg.reward.prm)
     except InputError:
         raise
     except ValueError as e:  # check_config's and skip_message's refusals
