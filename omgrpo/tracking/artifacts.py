@@ -60,9 +60,11 @@ def run_mlflow_target(run_dir: Path) -> tuple[str, str] | None:
 
 def log_report_artifacts(run_dirs: Iterable[str | Path], report_dir: str | Path) -> dict[str, str]:
     """Log the report in `report_dir` to the MLflow run of each of `run_dirs` that has one (see
-    the module docstring); returns {run directory: MLflow run id} of the runs that got it."""
+    the module docstring); returns {run directory: MLflow run id} of the runs that got it. The
+    runs that could not be reached are named in one TrackerWarning."""
     files = report_files(Path(report_dir))
     logged: dict[str, str] = {}
+    failed: list[str] = []
     for run_dir in map(Path, run_dirs):
         target = run_mlflow_target(run_dir)
         if target is None:
@@ -75,16 +77,19 @@ def log_report_artifacts(run_dirs: Iterable[str | Path], report_dir: str | Path)
         try:
             _log_files(uri, run_id, todo)
         except Exception as e:  # the report on disk stands; say why this run lacks it
-            warnings.warn(
-                redact(
-                    f"the report was not logged to MLflow run {run_id} of {run_dir} at {uri}: "
-                    f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
-                ),
-                TrackerWarning,
-                stacklevel=2,
-            )
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            failed.append(f"{run_dir} (run {run_id} at {uri}: {type(e).__name__}: {why})")
             continue
         logged[str(run_dir)] = run_id
+    if failed:
+        shown = "; ".join(failed[:3]) + (f"; and {len(failed) - 3} more" if len(failed) > 3 else "")
+        warnings.warn(
+            redact(
+                f"the report was not logged to the MLflow runs of {len(failed)} run(s): {shown}"
+            ),
+            TrackerWarning,
+            stacklevel=2,
+        )
     return logged
 
 

@@ -130,11 +130,12 @@ def test_report_files_are_logged_to_the_runs_mlflow_run(tmp_path, base_cache):
     untracked = tmp_path / "runs" / "other"
     untracked.mkdir()
     RunStore(untracked).write_config({"run": {"name": "other"}})  # no MLflow id: skipped
-    write_report(run_dir, tmp_path / "report")
+    write_report(run_dir, tmp_path / "report")  # logs it (omgrpo report does the same)
+    client = mlflow_client(MLflowTracker.from_config(None, run_dir.parent).uri)
+    assert "report/report.md" in artifact_paths(client, run_id, "report")
 
     logged = log_report_artifacts([run_dir, untracked], tmp_path / "report")
     assert logged == {str(run_dir): run_id}
-    client = mlflow_client(MLflowTracker.from_config(None, run_dir.parent).uri)
     top = artifact_paths(client, run_id, "report")
     assert {"report/report.md", "report/summary.json", "report/problems.parquet"} <= set(top)
     figures = artifact_paths(client, run_id, "report/figures")
@@ -143,7 +144,7 @@ def test_report_files_are_logged_to_the_runs_mlflow_run(tmp_path, base_cache):
 
     gone = tmp_path / "moved"  # its store is not where the run store says: one warning
     shutil.copytree(run_dir, gone / run_dir.name, ignore=shutil.ignore_patterns("checkpoints"))
-    with pytest.warns(UserWarning, match="not logged to MLflow run"):
+    with pytest.warns(UserWarning, match="not logged to the MLflow runs of 1 run"):
         assert log_report_artifacts([gone / run_dir.name], tmp_path / "report") == {}
     assert not (gone / "mlflow.db").exists()  # and no store was created there
 
