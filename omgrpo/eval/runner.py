@@ -41,6 +41,7 @@ from omgrpo.eval.data import load_benchmark
 from omgrpo.eval.metrics import summarize
 from omgrpo.eval.sampler import NativeSampler, Sampler, VLLMSampler, require_vllm
 from omgrpo.eval.suite import TOY_SOURCE, BenchmarkSpec, Suite, default_suite_name, load_suite
+from omgrpo.staging import staged_file
 from omgrpo.tracking.store import RunStore
 
 CHUNK_PROBLEMS = 32  # problems sampled at once; progress is reported after each chunk
@@ -364,8 +365,8 @@ def evaluate(
         "benchmarks": results,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    path = out_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2) + "\n")
+    with staged_file(out_dir / "summary.json") as tmp:  # whole or the earlier one, never half
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
     if track and target.is_run:
         log_to_trackers(target, out_dir, summary, say)
     return out_dir
@@ -438,13 +439,19 @@ def _earlier_result(
     if not isinstance(done, dict):
         say(f"  {spec.name}: {marker} is not an entry; evaluated again")
         return None
+    from omgrpo.backends.native.checkpoint import _sha256
+
+    table = out_dir / f"{spec.name}.parquet"
     same = (
         done.get("settings") == spec.settings()
         and done.get("checkpoint", {}).get("path") == choice.path
         and done.get("checkpoint", {}).get("step") == choice.step
         and done.get("grader") == version
-        and (out_dir / f"{spec.name}.parquet").exists()
+        and table.exists()
     )
+    if same and done.get("table_sha256") not in (None, _sha256(table)):
+        say(f"  {spec.name}: {table} does not match its entry {marker}; evaluated again")
+        return None
     return done if same else None
 
 
@@ -459,10 +466,14 @@ def _run_benchmark(
 ) -> dict[str, Any]:
     """Sample and grade one benchmark; writes its table (`<name>.parquet`) and entry
     (`<name>.json`, metrics with CIs and how they were made) and returns the entry."""
+    from omgrpo.backends.native.checkpoint import _sha256
+
     start = time.perf_counter()
     table = sample_and_grade(sampler, problems, spec, _progress_printer(spec.name))
     seconds = time.perf_counter() - start
-    table.to_parquet(out_dir / f"{spec.name}.parquet", index=False)
+    with staged_file(out_dir / f"{spec.name}.parquet") as tmp:  # the table before its entry
+        table.to_parquet(tmp, index=False)
+        table_sha256 = _sha256(tmp)
     entry = {
         "benchmark": spec.name,
         "k": spec.k,
@@ -472,8 +483,10 @@ def _run_benchmark(
         "grader": version,
         "backend": sampler.name,
         "seconds": round(seconds, 2),
+        "table_sha256": table_sha256,  # a later run keeps the entry only with this table
     }
-    (out_dir / f"{spec.name}.json").write_text(json.dumps(entry, indent=2) + "\n")
+    with staged_file(out_dir / f"{spec.name}.json") as tmp:
+        tmp.write_text(json.dumps(entry, indent=2) + "\n")
     m = entry["metrics"]
     say(
         f"  {spec.name}: avg@{spec.k} {m[f'avg@{spec.k}']:.4f}  pass@{spec.k} "

@@ -190,3 +190,30 @@ def test_an_exports_files_carry_checksums_that_eval_verifies(exported, tmp_path,
     err = capsys.readouterr().err
     assert f"{weights}: sha256 does not match" in err and "Traceback" not in err
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.slow
+def test_eval_outputs_are_whole_and_a_damaged_table_is_evaluated_again(toy_run, tmp_path, capsys):
+    """Every file of an evaluation is written to a temporary of its own and renamed (a kill
+    leaves the earlier file or none, never half); an entry records its table's sha256, so a
+    table damaged later is evaluated again instead of "done before, kept"."""
+    out = tmp_path / "e"
+    args = ["eval", str(toy_run), "--out", str(out), "--no-track", "--threads", "1"]
+    assert main(args) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "summary.json",
+        "toy_test.json",
+        "toy_test.parquet",
+    ]  # no temporary left beside them
+    entry = json.loads((out / "toy_test.json").read_text())
+    from omgrpo.backends.native.checkpoint import _sha256
+
+    assert entry["table_sha256"] == _sha256(out / "toy_test.parquet")
+    first = pd.read_parquet(out / "toy_test.parquet")
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "done before, kept" in capsys.readouterr().out
+    (out / "toy_test.parquet").write_bytes(b"PAR1" + b"\x00" * 16)  # damaged after the fact
+    assert main(args) == 0
+    assert "does not match its entry" in capsys.readouterr().out
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "toy_test.parquet"), first)
