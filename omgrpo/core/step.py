@@ -36,6 +36,7 @@ from omgrpo.core.diagnostics import (
 from omgrpo.core.losses import group_advantages, grpo_loss
 from omgrpo.core.masks import mask_metrics, mask_spans, masked_tokens, masks_on, token_mask
 from omgrpo.core.process import ProcessScorer, StepScores, aggregate, process_metrics
+from omgrpo.core.reward_quality import reward_quality_metrics
 from omgrpo.core.rewards import RewardGroup, compute_rewards, format_score, make_group
 from omgrpo.core.spans import answer_char_span, response_offsets, span_token_mask, with_stop_token
 from omgrpo.core.task import Problem, TaskProbe
@@ -388,10 +389,11 @@ def step_metrics(
     """Every diagnostic of one scored step (`state.last_majority` is updated in place).
 
     `reward/total`, `reward/<part>`, `answers/*` (including the string `answers/batch_mode`),
-    `acc/train`, with CAR the `car/*` diagnostics and the pool's vote `car/top_vote_acc`, and,
-    where the batch holds tokens, `response/length_mean` and, given the task's `probe`, its
-    `task_diagnostics` (the toy world's guess rates and process quality). `confident_share` is
-    `collapse.confident_share`.
+    `acc/train`, `reward_quality/*` (`omgrpo.core.reward_quality`: the proxy reward vs the
+    labels, a diagnostic), with CAR the `car/*` diagnostics and the pool's vote
+    `car/top_vote_acc`, and, where the batch holds tokens, `response/length_mean` and, given
+    the task's `probe`, its `task_diagnostics` (the toy world's guess rates and process
+    quality). `confident_share` is `collapse.confident_share`.
     """
     correct = batch.per_group(batch.correct)
     metrics: dict[str, Any] = {
@@ -406,6 +408,9 @@ def step_metrics(
     if batch.car is not None:
         answers = batch.per_group(batch.answers)
         metrics.update(batch.car.diagnostics(answers, correct, batch.grader))
+        **reward_quality_metrics(
+            batch.per_group(batch.rewards.tolist()), correct, [g.classes for g in batch.groups]
+        ),
         labels = [p.answer for p in batch.prompts]
         metrics.update(top_vote_metrics(answers, batch.car.answers, labels, batch.grader))
     if batch.step_scores is not None:

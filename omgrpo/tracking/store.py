@@ -6,6 +6,8 @@ metrics.jsonl.xz       the same bytes xz-compressed, in place of metrics.jsonl (
                        `omgrpo compact`: the form the committed studies under reports/ keep);
                        every reader takes either, training expands it back before appending
 rollouts/step_*.parquet sampled rollouts (prompt id, text, answer, rewards, advantage, ...)
+problems.parquet       each validation problem at each validation (problem id, step, accuracy,
+                       modal answer, its share: `omgrpo.core.problems`), appended per validation
 checkpoints/step_*/    model, optimizer, scheduler and RNG state (for resume)
 status.json            running / finished / failed / killed, the last step that completed
                        (`step`; `failed_step` where a step failed), and why it stopped
@@ -57,6 +59,7 @@ class RunStore:
         self.compact_metrics_path = self.dir / METRICS_FILES[1]
         self.rollouts_dir = self.dir / "rollouts"
         self.checkpoints_dir = self.dir / "checkpoints"
+        self.problems_path = self.dir / "problems.parquet"
 
     # -- config ---------------------------------------------------------------------------
     def write_config(self, config: dict[str, Any]) -> None:
@@ -201,7 +204,11 @@ class RunStore:
         self.compact_metrics_path.unlink()
 
     def truncate_metrics(self, last_step: int) -> None:
-        """Drop rows after `last_step` (a resumed run recomputes them)."""
+        """Drop rows after `last_step` (a resumed run recomputes them): metrics, rollout tables
+        and `problems.parquet` rows."""
+        if self.problems_path.exists():
+            problems = self.read_problems()
+            self._write_problems(problems[problems["step"] <= last_step])
         self._expand_metrics()
         if not self.metrics_path.exists():
             return
@@ -240,6 +247,28 @@ class RunStore:
         files = sorted(self.rollouts_dir.glob("step_*.parquet"))
         steps = [(step_number(f.stem), f) for f in files]
         return [(s, f) for s, f in steps if s is not None and (up_to is None or s <= up_to)]
+
+    # -- per-problem history --------------------------------------------------------------
+    def log_problems(self, step: int, table: pd.DataFrame) -> None:
+        """Append one validation's per-problem rows (`omgrpo.core.problems.problem_table`),
+        replacing any rows of the same `step` (a resumed run validates that step again)."""
+        old = self.read_problems()
+        if not old.empty:
+            old = old[old["step"] != int(step)]
+        parts = [t for t in (old, table) if not t.empty]
+        self._write_problems(pd.concat(parts, ignore_index=True) if parts else table)
+
+    def read_problems(self) -> pd.DataFrame:
+        """`problems.parquet` (empty without one), sorted by step."""
+        if not self.problems_path.exists():
+            return pd.DataFrame()
+        df = pd.read_parquet(self.problems_path)
+        return df.sort_values("step", kind="stable", ignore_index=True)
+
+    def _write_problems(self, table: pd.DataFrame) -> None:
+        tmp = self.problems_path.with_name(self.problems_path.name + ".tmp")
+        table.to_parquet(tmp, index=False)
+        tmp.replace(self.problems_path)  # a kill while writing keeps the old file
 
     # -- checkpoints ----------------------------------------------------------------------
     def checkpoint_dir(self, step: int) -> Path:

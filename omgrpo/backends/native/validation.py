@@ -1,5 +1,7 @@
 """Validation of the native trainer: avg@k, pass@k and the diagnostics of k samples per
-validation problem at the evaluation temperature, on a random stream of its own."""
+validation problem at the evaluation temperature, on a random stream of its own; each
+validation also appends its per-problem rows to the run store's `problems.parquet`
+(`omgrpo.core.problems`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from omgrpo.backends.native.run import Run
 from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import Grader
 from omgrpo.core.diagnostics import recovery_metrics, task_diagnostics
+from omgrpo.core.problems import problem_table
 from omgrpo.core.rewards import make_group
 from omgrpo.core.step import decode_responses, is_correct
 from omgrpo.generation.engine import stream_seed
@@ -18,8 +21,9 @@ from omgrpo.tasks import task_probe
 
 @torch.no_grad()
 def validate(run: Run, step: int, recovery: dict) -> dict:
-    """avg@k, pass@k and unique answers per problem at the evaluation temperature. Runs on its
-    own random stream so validating (or not) never changes the training trajectory."""
+    """avg@k, pass@k and unique answers per problem at the evaluation temperature, and the
+    problems' rows of `problems.parquet` at `step`. Runs on its own random stream so validating
+    (or not) never changes the training trajectory."""
     cfg, problems = run.cfg, run.val_problems
     k = cfg.eval.k
     run.policy.eval()
@@ -40,6 +44,8 @@ def validate(run: Run, step: int, recovery: dict) -> dict:
     correct = [
         [bool(is_correct(a, p.answer, grader)) for a in g.answers] for g, p in zip(groups, problems)
     ]
+    ids = [p.id for p in problems]
+    run.store.log_problems(step, problem_table(step, ids, [g.answers for g in groups], correct))
     by_difficulty = {}
     difficulties = [p.meta.get("difficulty") for p in problems]
     if all(difficulties):  # toy problems: accuracy and guessing by difficulty
