@@ -330,6 +330,25 @@ class AlgorithmConfig:
     """Answer tokens get the advantage of the format reward alone (ablation)."""
     clip: float = 0.2
     """PPO clip range epsilon."""
+    clip_low: float | None = None
+    """DAPO's asymmetric clip: the ratio's lower clip range, in (0, 1] (the ratio is clamped to
+    [1 - clip_low, 1 + clip_high]); null = `clip`. verl: actor.clip_ratio_low."""
+    clip_high: float | None = None
+    """The ratio's upper clip range, > 0 (DAPO's "clip-higher", e.g. 0.28); null = `clip`.
+    verl: actor.clip_ratio_high."""
+    dynamic_sampling: bool | None = None
+    """DAPO's dynamic sampling, drop only: the rollouts of groups whose rewards have zero spread
+    leave the loss (numerator and denominator) and are not resampled; `dapo/dropped_groups`
+    counts them. null/false: off (`omgrpo.core.dapo`)."""
+    overlong_filter: bool | None = None
+    """DAPO's overlong filtering: truncated responses (at the length limit without an eos) leave
+    the loss. null/false: off."""
+    overlong_buffer: int | None = None
+    """DAPO's soft overlong punishment: a reward penalty falling linearly from 0 to
+    -overlong_penalty_factor over the last `overlong_buffer` tokens before the length limit
+    (native only). null: off."""
+    overlong_penalty_factor: float | None = None
+    """The soft overlong punishment's largest penalty (>= 0); null = 1.0 (DAPO's)."""
     kl_coef: float = 0.005
     """beta of the k3 (low-variance) KL to the reference model; 0 skips the reference."""
     agg: str = "token-mean"
@@ -364,6 +383,21 @@ def validate_algorithm(algo: DictConfig, prefix: str) -> None:
             f"unknown {prefix}.answer_span '{algo.answer_span}'; valid: {', '.join(ANSWER_SPANS)}"
         )
     _validate_generic_masks(algo, prefix)
+    _validate_dapo(algo, prefix)
+
+
+def _validate_dapo(algo: DictConfig, prefix: str) -> None:
+    """The DAPO-family switches are true, false or null (a config written before they existed
+    has none: off); their numbers are range-checked by `VALUE_RANGES`."""
+    for key in ("dynamic_sampling", "overlong_filter"):
+        value = algo.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{prefix}.{key} must be true, false or null (off), got {value!r}")
+    if algo.get("overlong_penalty_factor") is not None and algo.get("overlong_buffer") is None:
+        raise ValueError(
+            f"{prefix}.overlong_penalty_factor is set but {prefix}.overlong_buffer is null: "
+            "set the buffer's length in tokens to turn the soft overlong punishment on"
+        )
 
 
 def _validate_generic_masks(algo: DictConfig, prefix: str) -> None:
@@ -405,6 +439,10 @@ VALUE_RANGES: tuple[tuple[str, str, float | None, float | None, bool], ...] = (
     ("eval.batch_size", "int", 1, None, False),
     ("algorithm.clip", "float>", 0, None, False),
     ("algorithm.kl_coef", "float", 0, None, False),
+    ("algorithm.clip_low", "float>", 0, 1, True),
+    ("algorithm.clip_high", "float>", 0, None, True),
+    ("algorithm.overlong_buffer", "int", 1, None, True),
+    ("algorithm.overlong_penalty_factor", "float", 0, None, True),
     ("algorithm.top_entropy_quantile", "float>", 0, 1, True),
     ("algorithm.ppo_epochs", "int", 1, None, False),
     ("algorithm.mini_batch_size", "int", 1, None, True),

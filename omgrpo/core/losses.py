@@ -301,12 +301,15 @@ def grpo_loss(
     answer_kl_weight: float | None = None,
     format_advantages: Tensor | None = None,
     clip: float = 0.2,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
     kl_coef: float = 0.005,
     agg: str = "token-mean",
     num_tokens: float | Tensor | None = None,
     entropy: Tensor | None = None,
     roles: dict[str, Tensor] | None = None,
     token_mask: Tensor | None = None,
+    sample_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss with the Outcome-Masked Update (the paper's masked objective).
 
@@ -317,7 +320,8 @@ def grpo_loss(
       given) answer tokens use ``format_advantages[i]`` instead of ``w * A_i``.
     - clipped surrogate (PPO/GRPO, Shao et al. 2024):
       ``rho = exp(logp - old_logp)`` (log-ratio clamped to +-20 as in verl),
-      ``pg_t = -min(rho * a_t, clamp(rho, 1 - clip, 1 + clip) * a_t)``.
+      ``pg_t = -min(rho * a_t, clamp(rho, 1 - clip_low, 1 + clip_high) * a_t)`` (DAPO's
+      asymmetric "clip-higher" when they differ; each defaults to ``clip``).
       For ``w >= 0`` scaling ``A`` by ``w`` scales the clipped surrogate by exactly ``w``.
     - KL ``kl_t = u_t * k3_t`` (:func:`kl_k3`) with ``u_t = answer_kl_weight`` on answer tokens
       (default: ``m_t``, the paper's masked objective; also in format-only mode). A separate
@@ -326,6 +330,9 @@ def grpo_loss(
 
     - ``token_mask`` (the generic masks, `omgrpo.core.masks.token_mask`): its tokens get weight 0
       in both terms, on top of the above.
+    - ``sample_mask`` (DAPO's dynamic sampling and overlong filtering, `omgrpo.core.dapo`): the
+      rollouts outside it leave the loss entirely, numerator and denominator (as if they had
+      not been sampled); the token metrics still cover them.
 
     ``loss = agg(pg) + kl_coef * agg(kl)``, both aggregated over ``response_mask`` with the same
     denominator: masking never renormalises, so changing ``w`` leaves reasoning-token gradients
@@ -343,6 +350,8 @@ def grpo_loss(
         answer_kl_weight: KL weight on answer tokens; None = ``answer_weight``.
         format_advantages: optional (B,) advantage used on answer tokens ("format-only").
         clip: PPO clip range epsilon.
+        clip_low, clip_high: the ratio's lower / upper clip range (verl's ``clip_ratio_low`` /
+            ``clip_ratio_high``); None = ``clip``.
         kl_coef: KL coefficient beta; 0 disables the KL term (``ref_logprobs`` may be None).
         agg: aggregation mode, see :func:`agg_loss`.
         num_tokens: optional global token count for ``"token-mean"`` (micro-batching).
@@ -352,6 +361,7 @@ def grpo_loss(
             `entropy/<name>` metrics only.
         token_mask: optional (B, T) bool, tokens taken out of training (weight 0 in the PG and
             KL terms; the aggregation's denominator is unchanged).
+        sample_mask: optional (B,) bool, the rollouts that count in the loss (None: all).
 
     Returns:
         ``(loss, metrics)``: 0-dim loss and python-float metrics ``loss/pg``, ``loss/kl``
@@ -370,14 +380,15 @@ def grpo_loss(
         "entropy": entropy,
         "token_mask": token_mask,
     }
-    _check_shapes(
-        logprobs, per_token, {"advantages": advantages, "format_advantages": format_advantages}
-    )
+    per_seq = {"advantages": advantages, "format_advantages": format_advantages}
+    _check_shapes(logprobs, per_token, {**per_seq, "sample_mask": sample_mask})
 
     dtype = logprobs.dtype
     resp = response_mask.bool()
     answer = answer_mask.bool() & resp
     weights = token_weights(answer, answer_weight, dtype=dtype)  # (B, T)
+    # the tokens the loss aggregates over (numerator and denominator)
+    loss_mask = resp if sample_mask is None else resp & sample_mask.bool().unsqueeze(-1)
 
     # Per-token PG advantage.
     adv_seq = advantages.detach().to(dtype).unsqueeze(-1)  # (B, 1)
@@ -391,9 +402,11 @@ def grpo_loss(
     log_ratio = (logprobs - old_logprobs.detach()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv_tok * ratio
-    pg_clipped = -adv_tok * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    low = clip if clip_low is None else clip_low
+    high = clip if clip_high is None else clip_high
+    pg_clipped = -adv_tok * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     pg_mat = torch.maximum(pg_unclipped, pg_clipped)  # = -min(rho * a, clip(rho) * a)
-    pg = agg_loss(pg_mat, resp, agg, num_tokens)
+    pg = agg_loss(pg_mat, loss_mask, agg, num_tokens)
 
     # Weighted k3 KL to the reference.
     use_kl = ref_logprobs is not None and kl_coef != 0
@@ -407,7 +420,7 @@ def grpo_loss(
         )
         if keep is not None:
             kl_weights = torch.where(keep, kl_weights, torch.zeros_like(kl_weights))
-        kl = agg_loss(k3 * kl_weights, resp, agg, num_tokens)
+        kl = agg_loss(k3 * kl_weights, loss_mask, agg, num_tokens)
         loss = pg + kl_coef * kl
     else:
         kl = torch.zeros((), dtype=dtype, device=logprobs.device)

@@ -122,6 +122,7 @@ class StepBatch:
     step_scores: list[StepScores] | None = None  # (B,) the PRM's step scores (reward `process`)
     process: list[float | None] | None = None  # (B,) their aggregate (None: unscored)
     token_mask: torch.Tensor | None = None  # (B, T) bool: taken out by the generic masks
+    sample_mask: torch.Tensor | None = None  # (B,) bool: rollouts in the loss (core.dapo)
 
     def per_group(self, values: list) -> list[list]:
         """(B,) values as P lists, one per group."""
@@ -340,9 +341,9 @@ def step_loss(
     """`grpo_loss` of the rows `idx` of a scored step under `algo` (`config.algorithm`), with
     the step's advantages, answer mask, format advantages and the full-batch `old_logprobs`,
     `ref_logprobs` and `roles` indexed by `idx` and moved to the log-probs' device, and the
-    generic masks' `token_mask`. Without `old_logprobs` the ratio is 1; `kl_coef` overrides
-    `algo.kl_coef` (0: the PG term alone). The one place the native update and the mechanism
-    probe build the loss."""
+    generic masks' `token_mask` and the DAPO options' `sample_mask`. Without `old_logprobs` the
+    ratio is 1; `kl_coef` overrides `algo.kl_coef` (0: the PG term alone). The one place the
+    native update and the mechanism probe build the loss."""
     device = logprobs.device
     fmt = batch.format_advantages
     masked = batch.token_mask
@@ -357,12 +358,15 @@ def step_loss(
         answer_kl_weight=algo.answer_kl_weight,
         format_advantages=None if fmt is None else fmt[idx].to(device),
         clip=algo.clip,
+        clip_low=getattr(algo, "clip_low", None),
+        clip_high=getattr(algo, "clip_high", None),
         kl_coef=algo.kl_coef if kl_coef is None else kl_coef,
         agg=algo.agg,
         num_tokens=num_tokens,
         entropy=entropy,
         roles=None if roles is None else {k: v[idx].to(device) for k, v in roles.items()},
         token_mask=None if masked is None else masked[idx].to(device),
+        sample_mask=None if batch.sample_mask is None else batch.sample_mask[idx].to(device),
     )
 
 

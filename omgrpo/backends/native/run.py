@@ -201,6 +201,12 @@ def check_config(cfg) -> None:
             f"rollout.max_batch_tokens must be >= 1 or null (free memory), got {tokens}"
         )
     check_values(cfg)  # every other numeric key's range (InputError naming the key)
+    buffer = cfg.algorithm.get("overlong_buffer")
+    if buffer is not None and buffer > cfg.rollout.max_new_tokens:
+        raise ValueError(
+            f"algorithm.overlong_buffer ({buffer}) must be at most rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}): the penalty ramps over the last buffer tokens"
+        )
 
 
 def warmup_cosine(optimizer, total_steps: int, warmup_ratio: float, min_ratio: float):

@@ -36,7 +36,12 @@ from omegaconf import DictConfig
 from omgrpo.backends.native.checkpoint import config_diff, save_checkpoint
 from omgrpo.backends.native.probes import step_probes
 from omgrpo.backends.native.run import Run, resume_or_start, setup, start_tracker
-from omgrpo.backends.native.update import ppo_update, shuffled_advantages, single_update
+from omgrpo.backends.native.update import (
+    dapo_batch,
+    ppo_update,
+    shuffled_advantages,
+    single_update,
+)
 from omgrpo.backends.native.validation import validate
 from omgrpo.config import to_container
 from omgrpo.console import TRAIN_FIELDS, Progress
@@ -196,6 +201,10 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
             probe=task_hook,
             process=run.prm,
         )
+    # DAPO options: overlong penalty, dropped groups / truncated rollouts (omgrpo.core.dapo)
+    batch, dapo_metrics = dapo_batch(
+        batch, seqs, cfg.algorithm, cfg.rollout.max_new_tokens, run.stop_ids
+    )
     if cfg.trainer.shuffle_advantages:
         batch = shuffled_advantages(
             batch, torch.Generator().manual_seed(cfg.seed * 7919 + state.step)
@@ -226,6 +235,7 @@ def train_step(run: Run, state: LoopState, problems: list[Problem]) -> tuple[Ste
         "train/skipped_steps": state.skipped,
         **step_metrics(batch, state, cfg.collapse.confident_share, task_hook),
         **mask_metrics,
+        **dapo_metrics,
         **update,
         **probe,
         "lr": run.scheduler.get_last_lr()[0],

@@ -1,7 +1,7 @@
 """The policy update of one native step: PPO epochs over mini-batches of the clipped
 surrogate (+ k3 KL), micro-batches accumulating gradients (`ppo_update`), the way their
-metrics combine (`UpdateMetrics`), and the shuffled-advantage null control's batch
-(`shuffled_advantages`)."""
+metrics combine (`UpdateMetrics`), the DAPO options' batch (`dapo_batch`) and the
+shuffled-advantage null control's batch (`shuffled_advantages`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from omgrpo.core.dapo import dapo_on, dapo_step, truncated_rows
 from omgrpo.core.losses import COUNT_SUFFIX, SUM_SUFFIX, token_logprobs_and_entropy, token_means
 from omgrpo.core.step import StepBatch, step_loss
 from omgrpo.generation.rollout import Sequences, response_logits
@@ -45,12 +46,12 @@ def ppo_update(
         order = torch.randperm(B) if (algo.ppo_epochs > 1 or mini < B) else torch.arange(B)
         for m0 in range(0, B, mini):
             mb = order[m0 : m0 + mini]
-            num_tokens = seqs.response_mask[mb].sum().clamp(min=1).to(device)
+            num_tokens = _loss_tokens(seqs, batch, mb).clamp(min=1).to(device)
             optimizer.zero_grad(set_to_none=True)
             for u0 in range(0, len(mb), micro):
                 idx = mb[u0 : u0 + micro]
                 # token-mean micro-batch losses are already partial sums of the mini-batch's
-                scale = 1.0 if algo.agg == "token-mean" else len(idx) / len(mb)
+                scale = 1.0 if algo.agg == "token-mean" else _seq_share(batch, idx, mb)
                 metrics = _micro_batch_backward(
                     policy,
                     seqs.select(idx).to(device),
@@ -76,6 +77,42 @@ def ppo_update(
             combined.end_mini_batch(float(norm))
             optimizer.step()
     return {**combined.result(), "skipped": False}
+
+
+def _loss_tokens(seqs: Sequences, batch: StepBatch, rows: torch.Tensor) -> torch.Tensor:
+    """The response tokens of `rows` the loss aggregates over (the rollouts the DAPO options
+    keep, `batch.sample_mask`; all without it): token-mean's denominator."""
+    mask = seqs.response_mask[rows]
+    if batch.sample_mask is None:
+        return mask.sum()
+    return (mask * batch.sample_mask[rows].unsqueeze(-1).to(mask.dtype)).sum()
+
+
+def _seq_share(batch: StepBatch, idx: torch.Tensor, mb: torch.Tensor) -> float:
+    """A seq-mean micro-batch loss's share of its mini-batch's: its rollouts over the
+    mini-batch's (only the kept ones with the DAPO options' `sample_mask`)."""
+    if batch.sample_mask is None:
+        return len(idx) / len(mb)
+    kept = batch.sample_mask
+    return float(kept[idx].sum()) / max(float(kept[mb].sum()), 1.0)
+
+
+def dapo_batch(
+    batch: StepBatch, seqs: Sequences, algo, max_len: int, stop_ids: int | list[int] | None
+) -> tuple[StepBatch, dict[str, float]]:
+    """The DAPO options of `algo` (`omgrpo.core.dapo`) on a scored step: the batch with the
+    overlong penalty in its rewards and advantages and the kept rollouts as `sample_mask`, and
+    the `dapo/*` metrics; the batch unchanged and no metrics with every option off."""
+    if not dapo_on(algo):
+        return batch, {}
+    mask = seqs.response_mask.cpu()
+    truncated = truncated_rows(seqs.response_ids.cpu(), mask, max_len, stop_ids)
+    lengths = mask.long().sum(-1)
+    out = dapo_step(algo, batch.rewards, batch.group_ids, lengths, truncated, max_len)
+    advantages = batch.advantages if out.advantages is None else out.advantages
+    return dataclasses.replace(
+        batch, rewards=out.rewards, advantages=advantages, sample_mask=out.sample_mask
+    ), out.metrics
 
 
 def _micro_batch_backward(

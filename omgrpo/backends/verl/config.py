@@ -66,6 +66,8 @@ class VerlRunSection:
 
 VERL_ACTOR_KEYS: dict[str, str] = {
     "clip": "actor_rollout_ref.actor.clip_ratio",
+    "clip_low": "actor_rollout_ref.actor.clip_ratio_low",
+    "clip_high": "actor_rollout_ref.actor.clip_ratio_high",
     "kl_coef": "actor_rollout_ref.actor.kl_loss_coef",
     "agg": "actor_rollout_ref.actor.loss_agg_mode",
     "ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
@@ -240,6 +242,7 @@ def validate_section(cfg: DictConfig) -> None:
     _check_group_size(cfg, om)
     _check_masking(cfg)
     _check_generic_masks(cfg, om)
+    _check_dapo(om)
     _check_advantage(cfg, om)
     _check_seed_and_resume(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
@@ -326,6 +329,28 @@ def _check_masking(cfg: DictConfig) -> None:
             "response token, answer tokens included, which undoes outcome masking; use the KL "
             "loss (actor_rollout_ref.actor.use_kl_loss, weighted on answer tokens by omgrpo)"
         )
+
+
+NATIVE_ONLY_DAPO: dict[str, str] = {
+    "dynamic_sampling": "verl 0.9.1's own algorithm.filter_groups (evict and refill) is "
+    "untested with the omgrpo trainer",
+    "overlong_filter": "verl 0.9.1 has no overlong filter",
+    "overlong_buffer": "verl 0.9.1 ships no overlong buffer (only its DAPO recipe's reward "
+    "manager has one)",
+    "overlong_penalty_factor": "it belongs to overlong_buffer",
+}
+"""The DAPO-family keys the verl backend does not run yet, and why (docs/configuration.md)."""
+
+
+def _check_dapo(om: DictConfig) -> None:
+    """The DAPO options of the native trainer only: refused, not silently ignored."""
+    for key, why in NATIVE_ONLY_DAPO.items():
+        value = om.algorithm.get(key)
+        if value is not None and value is not False:
+            raise ValueError(
+                f"omgrpo.algorithm.{key}={value} is native-only for now ({why}); "
+                "use the native trainer or leave it null"
+            )
 
 
 def _check_generic_masks(cfg: DictConfig, om: DictConfig) -> None:
