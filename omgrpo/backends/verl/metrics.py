@@ -4,7 +4,11 @@ The agent loop stores a `RolloutRecord` per rollout in `extra_fields["omgrpo"]` 
 correctness, reward parts, CAR pair answers of the anchor, CAR timings). The driver regroups the
 records by prompt (`uid`) into the step's `omgrpo.core.step.StepBatch` and calls the native
 trainer's `omgrpo.core.step.step_metrics`, so names and definitions are the native trainer's
-(`answers/*`, `acc/train`, `reward/*`, `car/*`). Labels only diagnose.
+(`answers/*`, `acc/train`, `reward/*`, `reward_quality/*`, `car/*`). Labels only diagnose.
+
+`validation_problems` turns verl's validation samples (the per-sample `problem`, `pred` and
+`acc` of `omgrpo.backends.verl.reward.compute_score`) into the rows of the run store's
+`problems.parquet` (`omgrpo.core.problems.problem_table`, as the native validation writes).
 """
 
 from __future__ import annotations
@@ -14,17 +18,26 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import torch
 
 from omgrpo.backends.verl.record import RolloutRecord
+from omgrpo.backends.verl.reward import NO_ANSWER
 from omgrpo.core.answers import Grader
 from omgrpo.core.car import CarResult
+from omgrpo.core.problems import problem_table
 from omgrpo.core.rewards import make_group
 from omgrpo.core.step import LoopState, StepBatch
 from omgrpo.core.step import step_metrics as batch_metrics
 from omgrpo.tasks import Problem
 
-__all__ = ["batch_from_records", "records_metrics", "records_step", "records_texts"]
+__all__ = [
+    "batch_from_records",
+    "records_metrics",
+    "records_step",
+    "records_texts",
+    "validation_problems",
+]
 
 
 def _group_rows(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[list[int]]:
@@ -164,3 +177,27 @@ def records_step(
 def records_texts(uids: Sequence[Any], records: Sequence[RolloutRecord]) -> list[str | None]:
     """The records' response texts in `batch_from_records`' row order (group order)."""
     return [records[i].text for g in _group_rows(uids, records) for i in g]
+
+
+def validation_problems(
+    step: int, sample_uids: Sequence[Any], extra: dict[str, Sequence[Any]]
+) -> pd.DataFrame | None:
+    """One validation's `problems.parquet` rows from verl's per-sample validation outputs:
+    `sample_uids` (verl's uid of each sample's prompt, fresh at each validation) and
+    `reward_extra_infos_dict` (`problem`, `pred`, `acc` per sample, `compute_score`). Samples
+    are grouped by uid and named by their `problem`; None when no sample names its problem
+    (a dataset without `extra_info.id` or `.index`)."""
+    problems, preds, accs = (list(extra.get(k) or []) for k in ("problem", "pred", "acc"))
+    if not any(p is not None for p in problems):
+        return None
+    by_uid: dict[str, dict[str, list]] = {}
+    for uid, problem, pred, acc in zip(sample_uids, problems, preds, accs):
+        if problem is None or acc is None:
+            continue
+        row = by_uid.setdefault(str(uid), {"id": str(problem), "answers": [], "correct": []})
+        row["answers"].append(None if pred in (None, NO_ANSWER) else str(pred))
+        row["correct"].append(float(acc))
+    rows = list(by_uid.values())
+    return problem_table(
+        step, [r["id"] for r in rows], [r["answers"] for r in rows], [r["correct"] for r in rows]
+    )

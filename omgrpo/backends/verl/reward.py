@@ -2,8 +2,9 @@
 
 `compute_score` is verl's custom reward function (`reward.custom_reward_function`, path
 `pkg://omgrpo.backends.verl.reward`). It scores one response on its own: label-free `score`
-(the format reward), `pred` (the normalised boxed answer, so verl's validation reports maj@N)
-and `acc` (equivalence to the label: a diagnostic, and verl's `val-core` metric). During
+(the format reward), `pred` (the normalised boxed answer, so verl's validation reports maj@N),
+`acc` (equivalence to the label: a diagnostic, and verl's `val-core` metric) and, when the row
+names its problem, `problem` (its id: the validation's `problems.parquet`). During
 training the omgrpo agent loop presets every rollout's reward with the group reward of
 `omgrpo.core.step.score_step`, so verl calls this function only for validation (and for any rollout
 without a preset reward).
@@ -17,7 +18,7 @@ from omgrpo.core.answers import Grader, normalize
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import extract_answer, is_correct
 
-__all__ = ["NO_ANSWER", "compute_score", "label_of", "pred_of"]
+__all__ = ["NO_ANSWER", "compute_score", "label_of", "pred_of", "problem_of"]
 
 NO_ANSWER = "[no answer]"
 """`pred` of a response without a boxed answer (verl's maj@N needs a string)."""
@@ -46,7 +47,8 @@ def compute_score(
     """Per-sample score (verl's `compute_score` signature).
 
     Returns ``{"score": format reward, "format": same, "acc": 1.0 / 0.0 vs the label (0.0
-    without a label), "pred": normalised boxed answer or "[no answer]"}``. The score never
+    without a label), "pred": normalised boxed answer or "[no answer]"}``, with "problem": the
+    row's problem id (`problem_of`) when it has one. The score never
     reads the label, so a run that falls back to per-sample scoring stays label-free.
     `math_verify` (`omgrpo.reward.math_verify`, passed by the presets through
     `reward.custom_reward_function.reward_kwargs`) switches the equivalence fallback of `acc`
@@ -56,7 +58,25 @@ def compute_score(
     answer = extract_answer(solution_str or "")
     fmt = format_score(answer)
     acc = float(bool(is_correct(answer, label_of(ground_truth), grader)))
-    return {"score": fmt, "format": fmt, "acc": acc, "pred": pred_of(answer)}
+    out: dict[str, float | str] = {"score": fmt, "format": fmt, "acc": acc, "pred": pred_of(answer)}
+    problem = problem_of(data_source, extra_info)
+    if problem is not None:
+        out["problem"] = problem
+    return out
+
+
+def problem_of(data_source: str, extra_info: dict | None) -> str | None:
+    """A row's problem id, stable across validations: `extra_info.id` (the native problem id,
+    `omgrpo.backends.verl.data.verl_rows`), else `<data_source>/<extra_info.index>`; None
+    without either."""
+    if not isinstance(extra_info, dict):
+        return None
+    if extra_info.get("id") is not None:
+        return str(extra_info["id"])
+    if extra_info.get("index") is not None:
+        index = extra_info["index"]
+        return f"{data_source}/{index.item() if hasattr(index, 'item') else index}"
+    return None
 
 
 def pred_of(answer: str | None) -> str:

@@ -3,11 +3,12 @@
 A verl run writes the run store a native run writes (`omgrpo.tracking.store.RunStore`, the same
 writer): `<omgrpo.run.root>/<trainer.experiment_name>/` (`runs/<experiment>__<variant>__s<seed>`
 by default, the native run directory) with `config.yaml`, `identity.json`, `provenance.json`,
-`metrics.jsonl` (every metric verl logs, omgrpo's and verl's own), `status.json` and
-`rollouts/step_*.parquet` (`omgrpo.core.step.rollout_table`); verl's checkpoints go to its
-`checkpoints/` folder (`trainer.default_local_dir`, experiments/verl/paper.yaml). So
-`omgrpo report / figures / tables`, the notebooks and `omgrpo export` read verl runs as native
-ones.
+`metrics.jsonl` (every metric verl logs, omgrpo's and verl's own), `status.json`,
+`rollouts/step_*.parquet` (`omgrpo.core.step.rollout_table`) and `problems.parquet` (each
+validation's per-problem rows, `omgrpo.backends.verl.metrics.validation_problems`); verl's
+checkpoints go to its `checkpoints/` folder (`trainer.default_local_dir`,
+experiments/verl/paper.yaml). So `omgrpo report / figures / tables`, the notebooks and
+`omgrpo export` read verl runs as native ones.
 
 verl's `Tracking` (verl/utils/tracking.py) sends each step's metrics to its backends, named in
 `trainer.logger` (console, wandb, mlflow, file, ...): objects in `Tracking.logger` with
@@ -69,8 +70,9 @@ def _number(value: Any) -> float | int | bool | None:
 class RunStoreBackend:
     """verl's tracking backend `omgrpo`: each logged step into the run store (module docstring).
 
-    The trainer hands it the step's rollout table before verl logs the step
-    (`add_rollouts`); `log` writes the metrics row, then the table, then the status.
+    The trainer hands it the step's rollout table (`add_rollouts`) and a validation's
+    per-problem rows (`add_problems`) before verl logs the step; `log` writes the metrics row,
+    then the tables, then the status.
     """
 
     def __init__(self, store: RunStore, total_steps: int, base_model: str | None):
@@ -78,6 +80,7 @@ class RunStoreBackend:
         self.total_steps = int(total_steps)
         self.base_model = base_model
         self._rollouts: dict[int, pd.DataFrame] = {}
+        self._problems: dict[int, pd.DataFrame] = {}
 
     def start(self, config: dict[str, Any], resume_step: int) -> None:
         """A fresh run (`resume_step` 0: verl found no checkpoint) gets a new identity and its
@@ -106,6 +109,11 @@ class RunStoreBackend:
         """The rollout table of `step`, written when verl logs that step."""
         self._rollouts[int(step)] = table
 
+    def add_problems(self, step: int, table: pd.DataFrame) -> None:
+        """The per-problem rows of the validation at `step`, appended to `problems.parquet`
+        when verl logs that step (rows of the same step replaced: a resumed run's)."""
+        self._problems[int(step)] = table
+
     def log(self, data: dict[str, Any], step: int) -> None:
         """verl's backend call: the step's metrics (numbers only), its rollouts, the status.
         Step 0 is validation before training, as natively."""
@@ -114,6 +122,9 @@ class RunStoreBackend:
         table = self._rollouts.pop(int(step), None)
         if table is not None:
             self.store.log_rollouts(int(step), table)
+        problems = self._problems.pop(int(step), None)
+        if problems is not None:
+            self.store.log_problems(int(step), problems)
         if step > 0:
             self.status("running", step)
 

@@ -24,7 +24,8 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
   agent-loop workers and verl's reward workers do (a `Grader` per stage, nothing process-wide);
 - writes the omgrpo run store (`omgrpo.backends.verl.run_store`): a tracking backend put into
   the `Tracking` verl's `fit` builds, the rollout table of every logged step (step 1 and every
-  `omgrpo.run.log_rollouts_every`) with each rollout's GRPO advantage A_i, and the run's
+  `omgrpo.run.log_rollouts_every`) with each rollout's GRPO advantage A_i, each validation's
+  per-problem rows (`problems.parquet`, `validation_problems`), and the run's
   status (`running`, then `finished` / `collapsed`, or `failed` / `killed` with the error).
 """
 
@@ -50,7 +51,7 @@ from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY, 
 from omgrpo.backends.verl.advantage import generic_masks, weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
-from omgrpo.backends.verl.metrics import records_step, records_texts
+from omgrpo.backends.verl.metrics import records_step, records_texts, validation_problems
 from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.run_store import BACKEND_NAME, RunStoreBackend, run_dir, store_config
 from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
@@ -305,6 +306,9 @@ class OmgrpoTrainer(PPOTrainerSync):
             data_sources, sample_uids, reward_extra_infos_dict, *args, **kwargs
         )
         metrics.update(validation_aliases(data_sources, sample_uids, reward_extra_infos_dict))
+        problems = validation_problems(self.global_steps, sample_uids, reward_extra_infos_dict)
+        if problems is not None and self.run_store is not None:
+            self.run_store.add_problems(self.global_steps, problems)  # problems.parquet
         return metrics
 
     def describe(self) -> str:

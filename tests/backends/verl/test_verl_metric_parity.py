@@ -1,7 +1,9 @@
 """The native update and the verl loss define `kl/*`, `entropy/*` and `answer/frac` the same
 way: the same hand-built micro-batches (unequal token counts, one without answer tokens) give
 equal token-weighted values through `grpo_loss` + the native `UpdateMetrics` and through
-`omgrpo_ppo_loss` + verl's SUM reduction + `loss_metric_means` (docs/metrics.md)."""
+`omgrpo_ppo_loss` + verl's SUM reduction + `loss_metric_means` (docs/metrics.md). The generic
+masks, the proxy-reward quality (`reward_quality/*`) and the per-problem validation table are
+equal in both on the same step."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ except ModuleNotFoundError as exc:  # CI runs these with real verl: say how to g
     ) from exc
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from tensordict import TensorDict
@@ -318,3 +321,109 @@ def test_native_and_verl_losses_agree_with_a_token_mask(actor_config_factory, w)
         torch.testing.assert_close(got, native_grad[i, :n], rtol=1e-5, atol=1e-9)
         assert (got[masks[i]] == 0).all()
         start += 3 + n
+
+
+# ----------------------------------------------------------------------------------------------
+# Proxy-reward quality and the per-problem table: the same numbers in both backends
+# ----------------------------------------------------------------------------------------------
+QUALITY_GROUPS = {  # label -> G = 4 responses: spread, zero spread (all agree), wrong majority
+    "4": ["\\boxed{4}", "so \\boxed{4}.", "\\boxed{5}", "no answer"],
+    "9": ["\\boxed{9}"] * 4,
+    "7": ["\\boxed{1}", "\\boxed{1}", "\\boxed{7}", "\\boxed{2}"],
+}
+QUALITY = (
+    "reward_quality/reward_acc",
+    "reward_quality/majority_ratio",
+    "reward_quality/reward_correct_corr",
+    "reward_quality/zero_spread_groups",
+    "answers/top_vote_acc",
+)
+
+
+def _padded_ids(tok, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [
+        torch.tensor([*tok.encode(t, add_special_tokens=False), tok.eos_token_id]) for t in texts
+    ]
+    ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    return ids, torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], True)
+
+
+@pytest.mark.parametrize("method", ["om_grpo_no_car", "mv"])
+def test_native_and_verl_log_the_same_proxy_reward_quality(method):
+    """The native trainer scores the step at once (`score_step` + `step_metrics`); verl's agent
+    loop scores each group on its own (`score_group`), hands records through TransferQueue
+    (`to_dict`) in an interleaved row order, and the driver rebuilds the step
+    (`records_metrics`): the `reward_quality/*` values (and the vote's accuracy, TTRL's label
+    accuracy) are equal, not close."""
+    from omgrpo.backends.verl.agent_loop import rollout_records, score_group
+    from omgrpo.backends.verl.metrics import records_metrics
+    from omgrpo.config import compose
+    from omgrpo.core.step import LoopState, score_step, step_metrics
+    from omgrpo.models.tokenizer import build_char_tokenizer
+    from omgrpo.tasks import Problem
+
+    tok = build_char_tokenizer()
+    problems = [
+        Problem(id=f"toy/{i}", question="?", answer=y) for i, y in enumerate(QUALITY_GROUPS)
+    ]
+    ids, mask = _padded_ids(tok, [t for texts in QUALITY_GROUPS.values() for t in texts])
+    native = score_step(tok, ids, mask, problems, compose([f"method={method}"]))
+    native_m = step_metrics(native, LoopState(), 0.6)
+
+    om = compose_verl("paper_qwen3_1p7b", [f"method={method}"]).omgrpo
+    rows = []  # (uid, record, reward) per rollout
+    for problem, texts in zip(problems, QUALITY_GROUPS.values()):
+        group, timeouts = score_group(tok, *_padded_ids(tok, texts), problem, om, None)
+        records = rollout_records(group, timeouts, None, (0.0, 0.0))
+        rows += [(problem.id, r.to_dict(), float(x)) for r, x in zip(records, group.rewards)]
+    rows = rows[1::2] + rows[::2]  # verl's batch order is not the groups' order
+    verl_m = records_metrics(
+        [u for u, _, _ in rows],
+        [r for _, r, _ in rows],
+        [x for _, _, x in rows],
+        confident_share=0.6,
+        state=LoopState(),
+    )
+    for name in QUALITY:
+        a, b = native_m[name], verl_m[name]
+        assert a == b or (np.isnan(a) and np.isnan(b)), name
+    assert native_m["reward_quality/zero_spread_groups"] == pytest.approx(1 / 3)
+    assert native_m["reward_quality/majority_ratio"] == pytest.approx((2 / 4 + 1 + 2 / 4) / 3)
+    assert native_m["answers/top_vote_acc"] == pytest.approx(2 / 3)
+
+
+def test_native_and_verl_validation_write_the_same_problem_rows():
+    """The per-problem table from the native validation's grouped answers and from verl's
+    per-sample validation outputs (`compute_score` with the row's `extra_info`, samples of a
+    prompt under one fresh uid, interleaved) is the same table."""
+    from omgrpo.backends.verl.data import verl_rows
+    from omgrpo.backends.verl.metrics import validation_problems
+    from omgrpo.backends.verl.reward import compute_score
+    from omgrpo.core.answers import Grader
+    from omgrpo.core.problems import problem_table
+    from omgrpo.core.step import extract_answer, is_correct
+    from omgrpo.tasks import Problem
+
+    problems = [
+        Problem(id=f"val-{i}", question="?", answer=y) for i, y in enumerate(QUALITY_GROUPS)
+    ]
+    grader = Grader()
+    answers = [[extract_answer(t) for t in texts] for texts in QUALITY_GROUPS.values()]
+    correct = [
+        [bool(is_correct(a, p.answer, grader)) for a in group]
+        for group, p in zip(answers, problems)
+    ]
+    native = problem_table(3, [p.id for p in problems], answers, correct)
+
+    samples = []  # (uid, compute_score's output) per sample
+    for i, (row, texts) in enumerate(zip(verl_rows(problems, "toy"), QUALITY_GROUPS.values())):
+        for text in texts:
+            out = compute_score("toy", text, row["reward_model"]["ground_truth"], row["extra_info"])
+            samples.append((f"uuid-{i}", out))
+    samples = samples[::3] + samples[1::3] + samples[2::3]
+    extra = {k: [s[k] for _, s in samples] for k in ("problem", "pred", "acc")}
+    verl_side = validation_problems(3, [u for u, _ in samples], extra)
+    verl_side = verl_side.set_index("problem_id").loc[native["problem_id"]].reset_index()
+    pd.testing.assert_frame_equal(native, verl_side, check_dtype=False)
+    assert native["modal_answer"].tolist() == ["4", "9", "1"]
+    assert validation_problems(3, ["u"], {"pred": ["4"], "acc": [1.0]}) is None  # no ids

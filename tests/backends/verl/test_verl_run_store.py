@@ -135,3 +135,37 @@ def test_row_advantages_average_over_response_tokens_only():
         ),
     }
     assert row_advantages(data) == [2.0, 0.0]
+
+
+@pytest.mark.slow
+def test_each_validation_appends_its_problem_rows_to_problems_parquet(tmp_path, monkeypatch):
+    """verl's validation outputs (`compute_score`'s `problem`, `pred`, `acc` per sample) reach
+    the run store's problems.parquet when verl logs the validation's step (0: before training);
+    a step validated again (a resume) replaces its rows."""
+
+    def validated(accs):
+        extra = {
+            "problem": ["toy/a", "toy/a", "toy/b", "toy/b"],
+            "pred": ["4", "4", "[no answer]", "2"],
+        }
+        return extra | {"acc": accs}
+
+    def fit(self, agent_loop_manager):
+        self.logger = Tracking("omgrpo", "x", default_backend=["console"], config={})
+        runs = [(0, [1.0, 0.0, 0.0, 0.0]), (1, [1.0, 1.0, 0.0, 1.0]), (1, [1.0] * 4)]
+        for step, accs in runs:  # the last: step 1 validated again after a resume
+            self.global_steps = step
+            val = self._val_metrics_update(
+                ["toy"] * 4, ["u1", "u1", "u2", "u2"], validated(accs), []
+            )
+            self.logger.log(data=val, step=self.global_steps)
+
+    trainer = make(tmp_path)
+    monkeypatch.setattr(PPOTrainerSync, "fit", fit)
+    trainer.fit(None)
+    problems = RunStore(trainer.run_store.store.dir).read_problems()
+    assert problems["step"].tolist() == [0, 0, 1, 1]  # step 1 validated twice: the last kept
+    assert problems["problem_id"].tolist() == ["toy/a", "toy/b"] * 2
+    assert problems["accuracy"].tolist() == [0.5, 0.0, 1.0, 1.0]
+    assert problems["modal_answer"].tolist() == ["4", "2", "4", "2"]
+    assert problems["modal_share"].tolist() == [1.0, 0.5, 1.0, 0.5]
