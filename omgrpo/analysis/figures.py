@@ -123,6 +123,7 @@ _UNIT_INTERVAL = re.compile(
     r"|answers/(batch_mode_share|extract_rate|top_vote_acc|confidently_wrong|label_flip_rate"
     r"|wrong_majority|consistency|guess_rate_\w+|bare_guess_rate|peak_share)"
     r"|car/(position_bias|select_correct|incorrect_pair_first|top_vote_acc|unclosed)"
+    r"|reward_quality/(reward_acc|majority_ratio|zero_spread_groups)"
     r"|clip/frac|answer/frac)"
 )
 _NON_NEGATIVE = re.compile(
@@ -783,6 +784,67 @@ def draw_prm_baselines(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -
     return fig
 
 
+HINT_REWARD_QUALITY = (
+    "runs with labelled training data that log the proxy-reward quality (any run since issue "
+    "39, e.g. `omgrpo train experiment=toy method=om_grpo`)"
+)
+
+
+def draw_reward_quality(df: pd.DataFrame, rollouts: pd.DataFrame | None = None) -> Figure:
+    """Proxy-reward quality (docs/metrics.md, `reward_quality/*`): how often the reward's sign
+    (above the group's mean) agrees with correctness, how often the vote is right
+    (`answers/top_vote_acc`, TTRL's label accuracy), the majority ratio, the reward/correctness
+    correlation and the share of groups with zero reward spread, per training step."""
+    _need(df, "reward quality", ["reward_quality/reward_acc"], HINT_REWARD_QUALITY)
+    metrics = [
+        ("reward_quality/reward_acc", "reward accuracy"),
+        ("answers/top_vote_acc", "label accuracy (vote right)"),
+        ("reward_quality/majority_ratio", "majority ratio"),
+        ("reward_quality/reward_correct_corr", "corr(reward, correct)"),
+        ("reward_quality/zero_spread_groups", "groups with zero reward spread"),
+    ]
+    return _panels(df, metrics, "Proxy-reward quality")
+
+
+FATE_COLORS = {
+    "learned": "#2ca02c",
+    "forgotten": "#d62728",
+    "sharpened": "#1f77b4",
+    "always": "#9ecae1",
+    "never": "#bbbbbb",
+}
+
+
+def draw_problem_fates(counts: pd.DataFrame) -> Figure:
+    """Each run's validation problems by fate (`omgrpo.analysis.problems.fate_counts`: learned,
+    forgotten, sharpened, always, never), as a stacked bar of shares, one bar per run."""
+    if counts is None or counts.empty:
+        raise MissingRunsError(
+            "problem fates: no run has problems.parquet; it needs runs that validated since "
+            "issue 39 (the native trainer and the verl backend write it at each validation)"
+        )
+    fates = [f for f in FATE_COLORS if f in counts.columns]
+    shares = counts.set_index("run")[fates].div(counts.set_index("run")["problems"], axis=0)
+    fig = _new_figure(1, 1, width=7.0, height=0.5 + 0.35 * len(shares))
+    (ax,) = _axes(fig)
+    left = np.zeros(len(shares))
+    for fate in fates:
+        ax.barh(shares.index, shares[fate], left=left, color=FATE_COLORS[fate], label=fate)
+        left += shares[fate].to_numpy()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("share of validation problems")
+    ax.invert_yaxis()
+    ax.legend(ncols=len(fates), loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=8)
+    fig.suptitle("Each problem's fate, first to last validation")
+    return fig
+
+
+def problem_fates(counts: pd.DataFrame, out_dir: Path | str) -> list[Path]:
+    """`draw_problem_fates` written to `out_dir/problem_fates.png` and `.pdf`; raises
+    MissingRunsError without counts."""
+    return _save(draw_problem_fates(counts), Path(out_dir), "problem_fates")
+
+
 # -- registry ----------------------------------------------------------------------------------
 FigureFn = Callable[..., list[Path]]
 
@@ -814,6 +876,7 @@ failure_recovery = _exported("failure_recovery", draw_failure_recovery)
 collapse_route = _exported("collapse_route", draw_collapse_route)
 token_roles = _exported("token_roles", draw_token_roles)
 prm_baselines = _exported("prm_baselines", draw_prm_baselines)
+reward_quality = _exported("reward_quality", draw_reward_quality)
 
 FIGURES: dict[str, FigureFn] = {
     "training_dynamics": training_dynamics,
@@ -829,6 +892,7 @@ FIGURES: dict[str, FigureFn] = {
     "collapse_route": collapse_route,
     "token_roles": token_roles,
     "prm_baselines": prm_baselines,
+    "reward_quality": reward_quality,
 }
 """Every figure, in the paper's order: name -> fn(df, out_dir, *, rollouts=None)."""
 
@@ -849,6 +913,8 @@ TITLES = {
     "collapse_route": "Collapse route (guessing, the peak answer, accuracy by difficulty)",
     "token_roles": "KL by token role and the answer/reasoning gradient probe",
     "prm_baselines": "PRM baselines vs OM-GRPO (val acc; the PRM runs' scores)",
+    "reward_quality": "Proxy-reward quality (reward vs correctness, vote accuracy, spread)",
+    "problem_fates": "Each problem's fate (learned, forgotten, sharpened, always, never)",
 }
 
 

@@ -5,6 +5,9 @@ out_dir/report.md      title, per-run table with a collapse verdict, the tables,
                        figures that could be drawn (and why the others could not), and
                        every run's resolved config (collapsed)
 out_dir/figures/       the figures, PNG + PDF
+out_dir/problems.csv, problems_fates.csv
+                       each validation problem's fate and the counts per run, where the runs
+                       wrote `problems.parquet` (`omgrpo.analysis.problems`)
 out_dir/summary.json   per run and per method (variant, over seeds): peak and final val acc,
                        final unique answers per prompt, final batch-mode share, collapse step;
                        per run the first and last value of each validation metric it logged
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from omgrpo.analysis.figures import TITLES, all_figures
+from omgrpo.analysis.figures import TITLES, all_figures, problem_fates
 from omgrpo.analysis.load import (
     DEGRADE_DROP,
     REWARD_WINDOW,
@@ -34,6 +37,14 @@ from omgrpo.analysis.load import (
     verdict,
 )
 from omgrpo.analysis.paper_tables import eval_tables_section
+from omgrpo.analysis.problems import (
+    FATES_FILE,
+    PROBLEMS_FILE,
+    RIGHT,
+    classify_problems,
+    fate_counts,
+    load_problems,
+)
 from omgrpo.analysis.provenance import provenance_lines
 from omgrpo.analysis.tables import (
     TABLE_TITLES,
@@ -77,7 +88,8 @@ def write_report(
     # all or nothing: written aside, moved into out_dir (its other files kept) at the end
     with staged_files(out_dir) as tmp:
         figures = all_figures(df, tmp / "figures", rollouts=rollouts)
-        lines = _report_lines(df, dirs, sources, figures, out_dir, title, tmp)
+        fates = problems_tables(dirs, tmp, figures)
+        lines = _report_lines(df, dirs, sources, figures, out_dir, title, tmp, fates)
         (tmp / "report.md").write_text("\n".join(lines))
         (tmp / "summary.json").write_text(json.dumps(report_summary(df), indent=2) + "\n")
     from omgrpo.tracking.artifacts import log_report_artifacts
@@ -102,8 +114,10 @@ def _report_lines(
     out_dir: Path,
     title: str | None,
     staged: Path,
+    fates: pd.DataFrame | None = None,
 ) -> list[str]:
-    """report.md's lines (`staged`: where the figures are until they move to out_dir)."""
+    """report.md's lines (`staged`: where the figures are until they move to out_dir; `fates`:
+    the problem fate counts, `problems_tables`)."""
     tables = all_tables(df)
     lines: list[str] = []
     lines.append(f"# {title or 'omgrpo report: ' + out_dir.resolve().name}")
@@ -119,6 +133,7 @@ def _report_lines(
     lines += what_happened(df)
     lines += base_checks_section(base_checks(dirs))  # the toy bases' acceptance checks
     lines += _tables_section(tables)
+    lines += problems_section(fates)
     lines += eval_tables_section(sources)  # benchmark evaluations (omgrpo eval), if any
     lines += _figures_section(figures, staged)
     lines += _configs_section(dirs)
@@ -177,6 +192,45 @@ def _tables_section(tables: Mapping[str, Table | str]) -> list[str]:
         else:
             lines += [f"### {TABLE_TITLES.get(name, name)}", "", f"Not available: {table}", ""]
     return lines
+
+
+def problems_tables(
+    dirs: Sequence[Path], out_dir: Path, figures: dict[str, list[Path] | str]
+) -> pd.DataFrame | None:
+    """Each problem's fate (`omgrpo.analysis.problems`) over the runs that wrote
+    `problems.parquet`: `out_dir/problems.csv` (per run and problem), `problems_fates.csv`
+    (counts per run) and the figure `problem_fates` (added to `figures`, or why not); returns
+    the counts (None: no run wrote the table)."""
+    history = load_problems(dirs) if dirs else pd.DataFrame()
+    if history.empty:
+        figures["problem_fates"] = (
+            "no run has problems.parquet (the trainers write it at each validation since issue 39)"
+        )
+        return None
+    fates = classify_problems(history)
+    counts = fate_counts(fates)
+    fates.to_csv(out_dir / PROBLEMS_FILE, index=False)
+    counts.to_csv(out_dir / FATES_FILE, index=False)
+    figures["problem_fates"] = problem_fates(counts, out_dir / "figures")
+    return counts
+
+
+def problems_section(counts: pd.DataFrame | None) -> list[str]:
+    """## Problems: the fate counts per run, and how a fate is defined."""
+    if counts is None:
+        return []
+    return [
+        "## Problems",
+        "",
+        "Each validation problem's fate from the run's first to its last validation "
+        f"(`problems.parquet`): right = accuracy ≥ {RIGHT:g} over its k samples; learned "
+        "(wrong → right), forgotten (right → wrong), sharpened (right at both, higher modal-answer "
+        "share), always (right at both, not sharpened), never (wrong at both). Per problem: "
+        f"[{PROBLEMS_FILE}]({PROBLEMS_FILE}); counts: [{FATES_FILE}]({FATES_FILE}).",
+        "",
+        markdown_table(counts),
+        "",
+    ]
 
 
 def _figures_section(figures: Mapping[str, list[Path] | str], out_dir: Path) -> list[str]:

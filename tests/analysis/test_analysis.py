@@ -117,6 +117,11 @@ def synthetic_runs(steps: int = 5, seeds: tuple[int, ...] = (0, 1)) -> pd.DataFr
                         "kl/other": 0.002 * step + abs(noise()),
                         "answers/consistency": 0.9 - 0.01 * step + noise(),
                         "answers/wrong_majority": 0.3 + noise(),
+                        # no noise(): the other columns keep their draws
+                        "reward_quality/reward_acc": 0.7 - 0.01 * step + 0.01 * seed,
+                        "reward_quality/majority_ratio": 0.5 + 0.02 * step,
+                        "reward_quality/reward_correct_corr": 0.4 - 0.01 * seed,
+                        "reward_quality/zero_spread_groups": 0.1 + 0.02 * step,
                         "time/gen": 1.0 + abs(noise()),
                         "time/reward": 0.1,
                         "time/update": 0.5,
