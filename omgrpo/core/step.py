@@ -408,13 +408,13 @@ def step_metrics(
         "answers/label_flip_rate": label_flip_rate(
             [p.id for p in batch.prompts], majority_answers(batch.groups), state.last_majority
         ),
+        **reward_quality_metrics(
+            batch.per_group(batch.rewards.tolist()), correct, [g.classes for g in batch.groups]
+        ),
     }
     if batch.car is not None:
         answers = batch.per_group(batch.answers)
         metrics.update(batch.car.diagnostics(answers, correct, batch.grader))
-        **reward_quality_metrics(
-            batch.per_group(batch.rewards.tolist()), correct, [g.classes for g in batch.groups]
-        ),
         labels = [p.answer for p in batch.prompts]
         metrics.update(top_vote_metrics(answers, batch.car.answers, labels, batch.grader))
     if batch.step_scores is not None:
