@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omgrpo.core.losses import group_advantages
+from omgrpo.core.losses import group_advantages, zero_spread_rows
 
 __all__ = [
     "DEFAULT_PENALTY_FACTOR",
@@ -40,20 +40,6 @@ __all__ = [
 
 DEFAULT_PENALTY_FACTOR = 1.0
 """DAPO's (and verl's recipe) default `penalty_factor`; `overlong_penalty_factor: null`."""
-
-# Rewards spanning at most this much are one value (as `group_advantages`' degenerate groups).
-_SPREAD_TOL = 1e-12
-
-
-def zero_spread_rows(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """(B,) bool: the rollouts of groups whose rewards all agree (max - min <= 1e-12; a group of
-    one rollout too), the groups dynamic sampling drops."""
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    uniq, inv = torch.unique(group_ids, return_inverse=True)
-    init = torch.zeros(uniq.numel(), dtype=torch.float64)
-    gmax = init.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
-    gmin = init.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
-    return ((gmax - gmin) <= _SPREAD_TOL)[inv]
 
 
 def truncated_rows(

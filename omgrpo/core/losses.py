@@ -37,6 +37,7 @@ from torch import Tensor
 
 __all__ = [
     "AGG_MODES",
+    "ZERO_SPREAD_TOL",
     "agg_loss",
     "answer_token_advantages",
     "group_advantages",
@@ -48,12 +49,15 @@ __all__ = [
     "token_roles",
     "token_stats",
     "token_weights",
+    "zero_spread_rows",
 ]
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
-# Groups whose rewards span at most this much (or whose std is at most this) are degenerate.
-_DEGENERATE_TOL = 1e-12
+ZERO_SPREAD_TOL = 1e-12
+"""A group's rewards have zero spread when their range or std is at most this: GRPO gives the
+group no advantage (`group_advantages`), dynamic sampling drops it (`omgrpo.core.dapo`), and
+`reward_quality/zero_spread_groups` counts it."""
 # verl clamps log-ratios before exponentiating (compute_policy_loss / kl_penalty).
 _LOG_RATIO_CLAMP = 20.0
 _K3_CLAMP = 10.0
@@ -96,21 +100,38 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, eps: float = 1e-6) -> T
     r = rewards.detach().to(compute_dtype)
 
     uniq, inv = torch.unique(group_ids, return_inverse=True)
-    n_groups = uniq.numel()
-    counts = torch.bincount(inv, minlength=n_groups).to(compute_dtype)  # (G,)
-    zeros_g = torch.zeros(n_groups, dtype=compute_dtype, device=r.device)
+    dev, std = _group_deviations(r, inv, uniq.numel())
+    adv = dev / (std[inv] + eps)
+    adv = torch.where(zero_spread_rows(r, group_ids), torch.zeros_like(adv), adv)
+    return adv.to(out_dtype)
 
-    mean = zeros_g.index_add(0, inv, r) / counts.clamp(min=1)  # (G,)
-    dev = r - mean[inv]  # (B,)
-    var = zeros_g.index_add(0, inv, dev * dev) / (counts - 1).clamp(min=1)  # unbiased
-    std = var.sqrt()  # (G,)
+
+def _group_deviations(r: Tensor, inv: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """(B,) deviations from the group mean and (G,) unbiased (N-1) group std, in r's dtype."""
+    zeros_g = torch.zeros(n_groups, dtype=r.dtype, device=r.device)
+    counts = torch.bincount(inv, minlength=n_groups).to(r.dtype)
+    mean = zeros_g.index_add(0, inv, r) / counts.clamp(min=1)
+    dev = r - mean[inv]
+    var = zeros_g.index_add(0, inv, dev * dev) / (counts - 1).clamp(min=1)
+    return dev, var.sqrt()
+
+
+def zero_spread_rows(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """(B,) bool: the rollouts of groups with zero spread (one rollout, or range or std at most
+    `ZERO_SPREAD_TOL`), the groups `group_advantages` gives A = 0. float32/float64 rewards are
+    judged in their dtype (as `group_advantages` computes), others in float64."""
+    r = torch.as_tensor(rewards)
+    if r.dtype not in (torch.float32, torch.float64):
+        r = r.to(torch.float64)
+    uniq, inv = torch.unique(torch.as_tensor(group_ids), return_inverse=True)
+    n_groups = uniq.numel()
+    counts = torch.bincount(inv, minlength=n_groups)
+    _, std = _group_deviations(r, inv, n_groups)
+    zeros_g = torch.zeros(n_groups, dtype=r.dtype, device=r.device)
     gmax = zeros_g.scatter_reduce(0, inv, r, reduce="amax", include_self=False)
     gmin = zeros_g.scatter_reduce(0, inv, r, reduce="amin", include_self=False)
-
-    degenerate = (counts < 2) | (std <= _DEGENERATE_TOL) | ((gmax - gmin) <= _DEGENERATE_TOL)
-    adv = dev / (std[inv] + eps)
-    adv = torch.where(degenerate[inv], torch.zeros_like(adv), adv)
-    return adv.to(out_dtype)
+    degenerate = (counts < 2) | (std <= ZERO_SPREAD_TOL) | ((gmax - gmin) <= ZERO_SPREAD_TOL)
+    return degenerate[inv]
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,24 +18,26 @@ from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
+from omgrpo.core.losses import zero_spread_rows
 from omgrpo.core.means import mean_or_nan, share_or_nan
 
-__all__ = ["SPREAD_TOL", "pearson_or_nan", "reward_quality_metrics", "zero_spread"]
-
-SPREAD_TOL = 1e-9
-"""A group's rewards have zero spread when max - min <= this (GRPO gives it no advantage)."""
+__all__ = ["pearson_or_nan", "reward_quality_metrics", "zero_spread"]
 
 
 def zero_spread(rewards: Sequence[float]) -> bool:
-    """Whether a group's rewards are all equal (max - min <= `SPREAD_TOL`; one or no rollout:
-    True)."""
-    return len(rewards) < 2 or float(np.ptp(np.asarray(rewards, dtype=np.float64))) <= SPREAD_TOL
+    """Whether a group's rewards have zero spread: one or no rollout, or range or std at most
+    `ZERO_SPREAD_TOL` (`omgrpo.core.losses.zero_spread_rows`: the groups GRPO gives A = 0)."""
+    if len(rewards) < 2:
+        return True
+    r = torch.as_tensor(np.asarray(rewards, dtype=np.float64))
+    return bool(zero_spread_rows(r, torch.zeros(len(r), dtype=torch.long))[0])
 
 
 def pearson_or_nan(x: Sequence[float], y: Sequence[float]) -> float:
     """Pearson correlation of `x` and `y`; nan with fewer than 2 pairs or when either is
-    constant (max - min <= `SPREAD_TOL`: the correlation is undefined, and rounding noise
+    constant (`zero_spread`: the correlation is undefined, and rounding noise
     would otherwise give +-1)."""
     a, b = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
     if len(a) < 2 or zero_spread(a) or zero_spread(b):

@@ -473,3 +473,20 @@ def test_token_means_keeps_other_keys_and_strips_the_prefix():
     metrics = {"actor/kl/answer_sum": 3.0, "actor/kl/answer_count": 0.0, "actor/pg_loss": 1.5}
     m = token_means(metrics, prefix="actor/")
     assert m.keys() == {"kl/answer", "actor/pg_loss"} and math.isnan(m["kl/answer"])
+
+
+def test_zero_spread_rows_are_the_groups_group_advantages_zeroes():
+    """One definition of "zero spread" (range or std <= ZERO_SPREAD_TOL, or one rollout): the
+    groups dynamic sampling drops and reward_quality counts are exactly those GRPO gives A = 0,
+    in float32 and float64."""
+    from omgrpo.core.losses import ZERO_SPREAD_TOL, zero_spread_rows
+
+    rewards = [0.3, 0.3 + 1e-13, 1.0, 1.0, 0.2, 0.7, 5.0, 0.0, 1.0, 0.25]
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 4, 4, 4])
+    for dtype in (torch.float32, torch.float64):
+        r = torch.tensor(rewards, dtype=dtype)
+        flat = zero_spread_rows(r, groups)
+        assert flat.tolist() == [True] * 4 + [False] * 2 + [True] + [False] * 3
+        adv = group_advantages(r, groups)
+        assert (adv[flat] == 0).all() and (adv[~flat] != 0).all()
+    assert ZERO_SPREAD_TOL == 1e-12
