@@ -61,6 +61,11 @@ class InputError(ValueError):
         return text
 
 
+class CheckpointError(InputError):
+    """A checkpoint that cannot be used: missing, damaged (checksum), or not the one asked for
+    (`omgrpo eval --checkpoint`, `omgrpo export`)."""
+
+
 class MissingDependency(InputError, ImportError):
     """An optional package a command needs is not installed (vLLM, datasets): said with the
     install line; still an ImportError for callers that catch one."""

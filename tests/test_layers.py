@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "omgrpo"
 # its own (`omgrpo.core.task`, `omgrpo.core.prompt`), the tasks (toy world, file loaders) sit
 # above it.
 BELOW = {
-    "omgrpo.errors": set(),  # the one error type of bad input (issue 37): usable everywhere
+    "omgrpo.errors": set(),  # the one error type of bad input: usable everywhere
+    "omgrpo.staging": set(),  # all-or-nothing writes (temporary, then rename): usable everywhere
     "omgrpo.console": set(),
     "omgrpo.tracking": set(),
     "omgrpo.core": set(),
@@ -22,7 +23,7 @@ BELOW = {
     "omgrpo.config": {"omgrpo.core", "omgrpo.tasks", "omgrpo.tracking"},
 }
 for _part_name in BELOW:
-    if _part_name != "omgrpo.errors":
+    if _part_name not in ("omgrpo.errors", "omgrpo.staging"):
         BELOW[_part_name].add("omgrpo.errors")
 LOWER = set(BELOW)
 BELOW["omgrpo.backends"] = LOWER

@@ -14,12 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omgrpo.errors import InputError
+from omgrpo.errors import CheckpointError
 from omgrpo.tracking.store import RunStore
-
-
-class CheckpointError(InputError):
-    pass
 
 
 @dataclass

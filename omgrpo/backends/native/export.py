@@ -70,7 +70,7 @@ def read_checkpoint_state(checkpoint_dir: str | Path, mmap: bool = False) -> dic
     """A native checkpoint's state, its files checked against its manifest first
     (`verify_checkpoint`); every failure (a damaged or missing file, a manifest or state that
     is not a checkpoint's) is a CheckpointError naming the file."""
-    from omgrpo.eval.checkpoints import CheckpointError
+    from omgrpo.errors import CheckpointError
 
     checkpoint_dir = Path(checkpoint_dir)
     manifest, state_file = checkpoint_dir / MANIFEST, checkpoint_dir / STATE_FILE

@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from omgrpo.backends.native.export import check_export_target, write_export_meta
-from omgrpo.eval.checkpoints import CheckpointError
+from omgrpo.errors import CheckpointError
 from omgrpo.staging import staged_dir
 from omgrpo.tracking.store import RunStore
 
