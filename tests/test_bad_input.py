@@ -181,6 +181,12 @@ PLAN = [
     ("no-vocab", [], _model(drop="vocab_size"), "vocab_size: missing"),
     ("zero-layers", [], _model({"num_hidden_layers": 0}), "num_hidden_layers (found 0"),
     ("string-width", [], _model({"hidden_size": "64"}), "hidden_size (found '64'"),
+    (  # found by tests/test_bad_input_properties.py: a StrictDataclassFieldValidationError
+        "kv-heads-a-list",
+        [],
+        _model({"num_key_value_heads": []}),
+        "m/config.json: transformers cannot build the model from it",
+    ),
     ("rollout-n-zero", ["rollout.n=0"], _model(), "rollout.n (found 0"),
     ("prompts-zero", ["trainer.prompts_per_step=0"], _model(), "trainer.prompts_per_step"),
     ("eval-k-zero", ["eval.k=0"], _model(), "eval.k (found 0"),

@@ -201,9 +201,20 @@ def model_shape(model_dir: str) -> ModelShape:
     parameters counted on the meta device (tied embeddings once)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    try:  # config.json is the only input here: what transformers cannot build from it is named
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except OSError:  # no such directory or hub id: check_model_config names it
+        raise
+    except Exception as e:  # a field of the wrong type or value (transformers validates some)
+        from omgrpo.errors import InputError
+
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise InputError(
+            f"transformers cannot build the model from it ({first})",
+            file=os.path.join(model_dir, "config.json"),
+        ) from e
     name = (getattr(config, "architectures", None) or [type(model).__name__])[0]
     return ModelShape.from_config(config, sum(p.numel() for p in model.parameters()), name)
 
