@@ -133,6 +133,9 @@ def _verb_name(argv: list[str]) -> str:
         return "omgrpo"
     if argv[0] in {"data", "prm"} and len(argv) > 1 and not argv[1].startswith("-"):
         return f"omgrpo {argv[0]} {argv[1]}"
+    backends = [a for a in argv[1:] if a.startswith("backend=") and a != "backend=native"]
+    if argv[0] in {"train", "plan"} and backends:  # `omgrpo train backend=verl: error: ...`
+        return f"omgrpo {argv[0]} {backends[-1]}"
     return f"omgrpo {argv[0]}"
 
 

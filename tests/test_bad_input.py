@@ -1270,3 +1270,22 @@ PLAN_VERL = [
 def test_plan_of_a_verl_preset_refuses(tmp_path, capsys, monkeypatch, args, names):
     err = refuse(["plan", "backend=verl", *args], tmp_path, capsys, monkeypatch)
     assert names in err
+
+
+TRAIN_VERL = [
+    ("no-preset", [], "omgrpo train backend=verl: error: experiment: name a preset"),
+    ("unknown-preset", ["experiment=paper_qwen3"], "no verl preset 'paper_qwen3'"),
+    (
+        "model-path-missing",
+        ["experiment=paper_qwen3_1p7b"],
+        "set actor_rollout_ref.model.path",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in TRAIN_VERL], ids=[r[0] for r in TRAIN_VERL]
+)
+def test_train_on_verl_refuses_before_ray(tmp_path, capsys, monkeypatch, args, names):
+    err = refuse(["train", "backend=verl", *args], tmp_path, capsys, monkeypatch)
+    assert names in err

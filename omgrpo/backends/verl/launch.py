@@ -8,7 +8,6 @@ TaskRunner, exactly as `python -m verl.trainer.main_ppo` would after composing.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
@@ -98,18 +97,22 @@ def launch(cfg: DictConfig) -> None:
 
 
 def main(args: list[str]) -> int:
+    """`omgrpo train backend=verl ...`; bad input raises InputError (`omgrpo.cli.main`
+    prints it, exit 2)."""
+    from omgrpo.errors import InputError
+
     experiment, overrides, dry_run, want_help = parse(args)
     if want_help or experiment is None:
         print(USAGE.format(presets=", ".join(available_presets())))
         if experiment is None and not want_help:
-            print("omgrpo train backend=verl: name a preset with experiment=...", file=sys.stderr)
-            return 2
+            raise InputError("name a preset", key="experiment", expected="experiment=<preset>")
         return 0
     try:
         cfg = compose_verl(experiment, overrides)
-    except (FileNotFoundError, ValueError) as exc:  # unknown preset, rejected setting
-        print(f"omgrpo train backend=verl: {exc}", file=sys.stderr)
-        return 2
+    except InputError:
+        raise
+    except ValueError as exc:  # a setting compose_verl rejects (its message names it)
+        raise InputError(str(exc)) from exc
     missing = missing_keys(cfg)
     if dry_run:
         print(to_yaml(cfg), end="")
@@ -120,15 +123,9 @@ def main(args: list[str]) -> int:
             print("# to launch, also set: " + " ".join(f"{k}={REQUIRED_KEYS[k]}" for k in missing))
         return 0
     if missing:
-        print(
-            "omgrpo train backend=verl: set "
-            + ", ".join(f"{k} (e.g. {k}={REQUIRED_KEYS[k]})" for k in missing),
-            file=sys.stderr,
+        raise InputError(
+            "set " + ", ".join(f"{k} (e.g. {k}={REQUIRED_KEYS[k]})" for k in missing),
+            key="backend=verl",
         )
-        return 2
-    try:
-        launch(cfg)
-    except FileExistsError as exc:  # a fresh run into a used checkpoint folder
-        print(f"omgrpo train backend=verl: {exc}", file=sys.stderr)
-        return 2
+    launch(cfg)  # a fresh run into a used checkpoint folder: FileExistsError, exit 2
     return 0
