@@ -75,7 +75,8 @@ commands:
                          tokenizer, generation config, omgrpo_export.json) for vLLM / transformers
   data convert SOURCE --out FILE.jsonl [--split S] [--config C] [--force]
                          a local benchmark copy (file or HF datasets cache) -> question/answer rows
-  data prepare --backend verl --out DIR [FILES... | toy:train|val|test] [--suite S] [KEY=VALUE...]
+  data prepare --backend verl --out DIR [FILES... | toy:train|val|test] [--suite S] [--force]
+                         [KEY=VALUE...]
                          benchmark files (MATH, GSM8K, AIME, AMC) / toy splits -> verl parquet,
                          read with eval's loaders; bad rows named (file, row), nothing written
   tables RUNS_OR_EVALS... --out DIR
