@@ -34,7 +34,7 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.core.process import aggregate, split_steps
 from omgrpo.core.task import Problem
-from omgrpo.models.bases import install_shipped
+from omgrpo.models.bases import SHIPPED_DIR, install_shipped
 from omgrpo.models.prm import PRM_META, PrmSettings, ProcessRewardModel, load_prm
 from omgrpo.models.toy import SFT_PROBLEMS, clipped_step, recipe_key, toy_base_key
 from omgrpo.tasks.toy import (
@@ -76,12 +76,47 @@ def ensure_toy_prm(cfg: Any, base_dir: str | Path, exclude: set[str]) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     if toy.shipped and install_shipped(key, out, prefix="toy-prm"):
         return out
+    print(training_notice(toy, out), flush=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return train_toy_prm(cfg, Path(base_dir), exclude, out)
     finally:
         torch.set_num_threads(threads)
+
+
+def training_notice(toy: Any, out: Path, shipped_dir: Path = SHIPPED_DIR) -> str:
+    """What a run says before it trains a toy PRM: why (none ships for this recipe, or
+    `shipped=false`), how long it should take, scaled from the shipped PRMs' own logged training
+    time, and where it is cached (trained once per recipe)."""
+    why = (
+        "reward.prm.toy.shipped=false"
+        if not toy.shipped
+        else "no shipped toy PRM matches this base and recipe (omgrpo/bases/ ships "
+        + ", ".join(_shipped_prm_commands(shipped_dir))
+        + ")"
+    )
+    per_step = [
+        checks["training"]["seconds"]
+        / json.loads((d / "shipped.json").read_text())["recipe"]["train"]["steps"]
+        for d in sorted(shipped_dir.glob("toy-prm-*"))
+        if (checks := read_prm_checks(d)) and "training" in checks
+    ]
+    eta = ""
+    if per_step:
+        minutes = toy.steps * max(per_step) / 60
+        eta = f", about {minutes:.0f} min ({toy.steps} steps at the shipped PRM's logged pace)"
+    return f"toy PRM: {why}: training one once on one thread{eta}, cached in {out}"
+
+
+def _shipped_prm_commands(shipped_dir: Path) -> list[str]:
+    """The commands that made the shipped toy PRMs (their manifests), e.g. `omgrpo prm train
+    experiment=toy_shortcut`."""
+    return [
+        "`" + json.loads((d / "shipped.json").read_text())["command"] + "`'s"
+        for d in sorted(shipped_dir.glob("toy-prm-*"))
+        if (d / "shipped.json").exists()
+    ] or ["none"]
 
 
 def step_labels(solution: str) -> list[int]:

@@ -45,3 +45,20 @@ def test_prm_train_prints_its_checks(tiny_overrides, capsys):
     for kind in ("faithful", "slipped", "guessed", "bare_guess"):
         assert kind in out
     assert cli.main(["prm", "train", *overrides, "model.path=/x"]) == 2
+
+
+def test_a_run_that_must_train_a_toy_prm_says_so_and_how_long(tmp_path):
+    """Before training a toy PRM (minutes), a run says why (none ships for this recipe: the
+    shortcut world's ships; or shipped=false), how long, from the shipped PRM's logged training
+    time (1255 s for its 4000 steps), and where it is cached."""
+    from types import SimpleNamespace
+
+    from omgrpo.models.toy_prm import training_notice
+
+    notice = training_notice(SimpleNamespace(steps=4000, shipped=True), tmp_path / "prm")
+    assert "`omgrpo prm train experiment=toy_shortcut`'s" in notice
+    assert "about 21 min (4000 steps" in notice and str(tmp_path / "prm") in notice  # 1255 s
+    off = training_notice(SimpleNamespace(steps=400, shipped=False), tmp_path / "prm")
+    assert off.startswith("toy PRM: reward.prm.toy.shipped=false: ") and "about 2 min" in off
+    bare = training_notice(SimpleNamespace(steps=10, shipped=True), tmp_path, tmp_path / "none")
+    assert "ships none" in bare and "min" not in bare
