@@ -212,13 +212,6 @@ def test_the_strategies_reach_the_files_that_load():
     _read_prereg(_committed_prereg())
 
 
-@pytest.mark.xfail(
-    raises=TypeError,
-    strict=False,
-    reason="read_preregistration iterates `predictions` / `event_predictions` unchecked: a "
-    "number there is a TypeError, not an InputError (omgrpo/analysis/study.py, owned by "
-    "another change; the property test above draws lists only until it is fixed)",
-)
 @pytest.mark.parametrize("key", ["predictions", "event_predictions"])
 def test_predictions_that_are_not_a_list_are_refused_by_name(key):
     block = {"predictions": [], "final_steps": 10, "start_step": 0, "events": {"censor_at": 5}}

@@ -134,7 +134,11 @@ def read_preregistration(path: str | Path) -> dict[str, Any]:
     missing or malformed field, an id named twice or a gate / Holm member that names no
     prediction raises `InputError` naming the file, the prediction and the key."""
     path = Path(path)
-    blocks = re.findall(r"```yaml\n(.*?)```", path.read_text(), flags=re.S)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read the pre-registration: {e}", file=path) from e
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
     if not blocks:
         raise InputError("no ```yaml block with the predictions", file=path)
     try:
@@ -145,6 +149,9 @@ def read_preregistration(path: str | Path) -> dict[str, Any]:
     for key in ("predictions", "final_steps", "start_step"):
         if key not in spec:
             raise InputError(f"the predictions block has no '{key}'", file=path)
+    for key in ("predictions", "event_predictions"):
+        if key in spec and not isinstance(spec[key], list):
+            raise InputError(f"'{key}' must be a list", file=path, found=spec[key])
     for p in spec["predictions"]:
         _check_prediction(path, p)
     _check_events(path, spec)
