@@ -425,6 +425,12 @@ VALUE_RANGES: tuple[tuple[str, str, float | None, float | None, bool], ...] = (
     ("task.n_train", "int", 1, None, False),
     ("task.n_val", "int", 0, None, False),
     ("task.n_test", "int", 0, None, False),
+    ("model.warm_start.steps", "int", 0, None, False),  # 0 = an untrained base
+    ("model.warm_start.lr", "float>", 0, None, False),
+    ("model.warm_start.batch_size", "int", 1, None, False),
+    ("model.warm_start.car_share", "float", 0, 1, False),
+    ("model.warm_start.seed", "int", 0, None, False),
+    ("model.warm_start.check_problems", "int", 0, None, False),
     ("rollout.n", "int", 2, None, False),
     ("rollout.temperature", "float", 0, None, False),
     ("rollout.top_p", "float>", 0, 1, False),

@@ -1227,6 +1227,8 @@ BASE_PRM = [
     ("unknown-key", ["nokey=1"], "nokey"),
     ("value-out-of-range", ["task.n_train=-1"], "task.n_train (found -1"),
     ("rollout-n-zero", ["rollout.n=0"], "rollout.n (found 0"),
+    ("warm-start-lr-zero", ["model.warm_start.lr=0"], "model.warm_start.lr (found 0"),
+    ("warm-start-batch-zero", ["model.warm_start.batch_size=0"], "warm_start.batch_size (found 0"),
     ("note-without-ship", ["--note", "x"], "--note is stored with --ship only"),
 ]
 
