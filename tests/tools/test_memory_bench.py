@@ -57,9 +57,11 @@ def test_bench_memory_refuses_cuda_without_a_gpu(monkeypatch):
     import omgrpo.tools.memory_bench as memory_bench
 
     monkeypatch.setattr(memory_bench, "_cuda_available", lambda: False)
-    with pytest.raises(RuntimeError, match="sees no CUDA device"):
+    from omgrpo.errors import InputError
+
+    with pytest.raises(InputError, match="sees no CUDA device"):
         bench_memory(device="cuda")
-    with pytest.raises(ValueError, match="must be cpu or cuda"):
+    with pytest.raises(InputError, match=r"--device \(found 'mps'; expected cpu or cuda\)"):
         bench_memory(device="mps")
 
 
