@@ -38,7 +38,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO / "tests" / "fixtures" / "model_configs" / "qwen2.5-7b"
@@ -116,22 +115,6 @@ def allocated(cuda: bool) -> int:
     return _rss_kib("VmRSS") * 1024
 
 
-def batch_of(seqs) -> SimpleNamespace:
-    """What `ppo_update` reads of a scored step: advantages and the token roles (the last 4
-    response tokens of every row play the answer span, masked as OM-GRPO masks it)."""
-    import torch
-
-    from omgrpo.core.step import Responses
-
-    mask = seqs.response_mask
-    none = torch.zeros_like(mask, dtype=torch.bool)
-    answer = none.clone()
-    answer[:, -4:] = True
-    responses = Responses(seqs.response_ids, mask, answer, [], [], none, none)
-    advantages = torch.linspace(-1.0, 1.0, len(seqs))
-    return SimpleNamespace(advantages=advantages, responses=responses, format_advantages=None)
-
-
 def plan_for(model_dir: str, args: argparse.Namespace):
     """The planner's figures for this check's shape, LoRA settings and sizes."""
     from omgrpo.config import compose
@@ -162,6 +145,7 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
     from omgrpo.backends.native.update import ppo_update
     from omgrpo.generation.rollout import Sequences, response_logprobs
     from omgrpo.models.lora import adapters_off, apply_lora, trainable_parameters
+    from omgrpo.tools.memory_bench import update_batch
 
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -184,7 +168,14 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
     def update(seqs, ref_logprobs) -> dict:
         model.train()
         return ppo_update(
-            model, optimizer, seqs, None, ref_logprobs, batch_of(seqs), algo, cfg.optim.grad_clip
+            model,
+            optimizer,
+            seqs,
+            None,
+            ref_logprobs,
+            update_batch(seqs),
+            algo,
+            cfg.optim.grad_clip,
         )
 
     def rows(n: int, prompt: int, response: int, seed: int):

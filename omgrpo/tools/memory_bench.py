@@ -324,7 +324,9 @@ def _measure(spec: dict) -> dict:
 
     def update(seqs, ref_logprobs) -> None:
         policy.train()
-        ppo_update(policy, optimizer, seqs, None, ref_logprobs, _batch(seqs), cfg.algorithm, 1.0)
+        ppo_update(
+            policy, optimizer, seqs, None, ref_logprobs, update_batch(seqs), cfg.algorithm, 1.0
+        )
 
     def warm_up() -> None:  # gradients and AdamW state exist after it (the steady state)
         seqs = sample(policy.eval(), [[2, 3]], n=1, max_new_tokens=2, **_sampling(1.0))
@@ -445,8 +447,10 @@ def _sampling(top_p: float) -> dict:
     return {"temperature": 1.0, "top_p": top_p, "eos_id": [-1], "pad_id": 0}
 
 
-def _batch(seqs) -> SimpleNamespace:
-    """What `ppo_update` reads of a scored step: advantages and the token role masks."""
+def update_batch(seqs) -> SimpleNamespace:
+    """What `ppo_update` reads of a scored step (`omgrpo.core.step.StepBatch`'s fields): the
+    advantages, the token roles (the last 4 response tokens of every row play the answer span,
+    masked as OM-GRPO masks it), and no generic token mask or DAPO sample mask."""
     import torch
 
     from omgrpo.core.step import Responses
@@ -457,7 +461,13 @@ def _batch(seqs) -> SimpleNamespace:
     answer[:, -4:] = True
     responses = Responses(seqs.response_ids, mask, answer, [], [], none, none)
     advantages = torch.linspace(-1.0, 1.0, len(seqs))
-    return SimpleNamespace(advantages=advantages, responses=responses, format_advantages=None)
+    return SimpleNamespace(
+        advantages=advantages,
+        responses=responses,
+        format_advantages=None,
+        token_mask=None,
+        sample_mask=None,
+    )
 
 
 def compare(spec: dict, measured: dict) -> dict:
