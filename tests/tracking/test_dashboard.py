@@ -178,19 +178,25 @@ def headless_chromium(log: Path):
 
 
 def wait_for(driver, what: str, condition):
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
+    # the UI re-renders chart cards while they load: an element read mid-render is stale, and
+    # the condition is simply tried again at the next poll
+    wait = WebDriverWait(
+        driver, WAIT_S, poll_frequency=0.5, ignored_exceptions=(StaleElementReferenceException,)
+    )
     try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(condition)
+        return wait.until(condition)
     except TimeoutException:
         body = driver.execute_script("return document.body ? document.body.innerText : ''")
         pytest.fail(f"{what} within {WAIT_S} s at {driver.current_url}; the page says:\n{body}")
 
 
-def drawn_chart(driver, metric: str):
-    """The chart card of `metric` once Plotly has drawn its line (a trace path with points),
-    else None. Cards are `experiment-view-compare-runs-card`s; the legend names the metric."""
+def drawn_chart(driver, metric: str) -> str | None:
+    """The title of `metric`'s chart card once Plotly has drawn its line (a trace path with
+    points), else None; read in one go, since a card element goes stale when the UI re-renders
+    it. Cards are `experiment-view-compare-runs-card`s; the legend names the metric."""
     from selenium.webdriver.common.by import By
 
     for card in driver.find_elements(
@@ -200,7 +206,7 @@ def drawn_chart(driver, metric: str):
             continue
         lines = card.find_elements(By.CSS_SELECTOR, ".js-plotly-plot .scatterlayer path.js-line")
         if any((line.get_attribute("d") or "").count("L") >= 1 for line in lines):
-            return card
+            return card.text.splitlines()[0]
     return None
 
 
@@ -237,9 +243,8 @@ def check_run_charts(driver, url: str) -> dict[str, str]:
         with contextlib.suppress(Exception):  # the assistant's side panel: more room
             close.click()
     search.send_keys("kl/")
-    cards = {m: wait_for(driver, f"a drawn {m} chart", lambda d, m=m: drawn_chart(d, m))
-             for m in ("kl/answer", "kl/reasoning")}  # fmt: skip
-    return {m: card.text.splitlines()[0] for m, card in cards.items()}
+    return {m: wait_for(driver, f"a drawn {m} chart", lambda d, m=m: drawn_chart(d, m))
+            for m in ("kl/answer", "kl/reasoning")}  # fmt: skip
 
 
 @pytest.mark.slow
