@@ -1027,6 +1027,25 @@ def test_study_report_refuses_a_bad_preregistration(tmp_path, capsys, monkeypatc
     assert names in err
 
 
+GOOD_PREREG = "```yaml\npredictions: []\nfinal_steps: [3]\nstart_step: 0\n```\n"
+STUDY_RUN = [
+    ("seconds-nan", ["runs", "--seconds", "nan"], "--seconds"),
+    ("seconds-negative", ["runs", "--seconds", "-5"], "--seconds"),
+    ("no-runs-there", ["empty"], "empty"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in STUDY_RUN], ids=[r[0] for r in STUDY_RUN]
+)
+def test_study_report_refusals_create_no_output_folder(tmp_path, capsys, monkeypatch, args, names):
+    """A refused study-report writes nothing, not even an empty --out (it made --out/figures
+    before reading the runs); --seconds, written into the report, must be a finite number >= 0."""
+    argv = ["study-report", *args, "--prereg", "pre.md", "--out", "st"]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, _study_setup(GOOD_PREREG))
+    assert names in err and not (tmp_path / "st").exists()
+
+
 # -- bench memory: sizes and configs checked before the first (minutes-long) measurement ----------
 def _model_dirs(root: Path) -> None:
     good = {

@@ -175,6 +175,10 @@ def study_report_main(argv: list[str]) -> int:
     ns = _parse(parser, argv)
     if isinstance(ns, int):
         return ns
+    if ns.seconds is not None:
+        from omgrpo.errors import check_number
+
+        check_number(ns.seconds, "--seconds", minimum=0)
     try:
         path = write_study_report(
             ns.runs,

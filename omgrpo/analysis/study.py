@@ -942,7 +942,6 @@ def write_study_report(
     `figures=False` draws none (the report's figure list is then empty)."""
     spec = read_preregistration(prereg)
     out = Path(out)
-    (out / "figures").mkdir(parents=True, exist_ok=True)
     run_dirs = find_run_dirs(*runs)
     df = load_runs(*runs)
     verdicts = judge_predictions(df, spec)
@@ -951,6 +950,7 @@ def write_study_report(
     failed = [g for g in gates if not by_id[g].verdict.startswith("confirmed")]
     events = time_to_event(df, spec)
     wall = wall_time(df)
+    (out / "figures").mkdir(parents=True, exist_ok=True)  # only once the inputs are read
     drawn = _draw_figures(df, spec, out / "figures") if figures else []
     checks = base_checks(run_dirs)
     lines = _header(spec, command, seconds, runs, df)
