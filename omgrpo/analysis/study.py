@@ -58,7 +58,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from omgrpo.analysis.figures import DRAW, MissingRunsError
+from omgrpo.analysis.figures import DRAW, MissingRunsError, save_png
 from omgrpo.analysis.load import find_run_dirs, load_runs, t_critical
 from omgrpo.analysis.mechanism import mechanism_section, mechanism_table
 from omgrpo.analysis.report import base_checks, base_checks_section, what_happened
@@ -680,7 +680,7 @@ def _draw_figures(df: pd.DataFrame, spec: Mapping, folder: Path) -> list[str]:
                 fig = DRAW[name](runs_of_world)
             except MissingRunsError:
                 continue  # e.g. no hard problems in the faithful world
-            fig.savefig(folder / f"{world}__{name}.png", dpi=110)
+            save_png(fig, folder / f"{world}__{name}.png", dpi=110)
             figures.append(f"{world}__{name}.png")
     return figures
 

@@ -190,6 +190,22 @@ def test_every_figure_writes_png_and_pdf(name, synth, tmp_path):
     assert paths[0].read_bytes()[:4] in (b"\x89PNG", b"%PDF")
 
 
+def test_save_png_keeps_the_pixels_in_a_palette(tmp_path):
+    """The 256-colour PNG has matplotlib's pixel size and, for a plot of a few colours, exactly
+    its pixels (a line plot has far fewer than 256 colours after anti-aliasing is quantised)."""
+    from PIL import Image
+
+    fig = F.Figure(figsize=(2, 1))
+    fig.add_subplot().plot([0, 1], [0, 1], color="red")
+    F.save_png(fig, tmp_path / "q.png", dpi=50)
+    fig.savefig(tmp_path / "rgba.png", dpi=50)
+    quantised, original = Image.open(tmp_path / "q.png"), Image.open(tmp_path / "rgba.png")
+    assert quantised.mode == "P" and quantised.size == original.size == (100, 50)
+    colours = original.convert("RGB").getcolors(maxcolors=256)
+    assert colours is not None  # <= 256 colours: the palette can hold them all
+    assert list(quantised.convert("RGB").getdata()) == list(original.convert("RGB").getdata())
+
+
 @pytest.mark.slow
 def test_rollout_bias_without_rollouts(synth):
     assert len(F.DRAW["rollout_bias"](synth).axes) == 3  # the per-prompt panel needs rollouts
