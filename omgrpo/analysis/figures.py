@@ -333,7 +333,6 @@ def _legend(ax: Axes) -> None:
 def _save(fig: Figure, out_dir: Path, name: str) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
     png, pdf = out_dir / f"{name}.png", out_dir / f"{name}.pdf"
     save_png(fig, png, dpi=150)
     fig.savefig(pdf, metadata=_metadata("pdf"))
