@@ -614,24 +614,6 @@ EXPORT = [
     ),
     ("flipped-byte", ["r", "o"], _export_setup(checkpoints=_ckpt()), "state.pt: sha256 does not"),
     (
-        "manifest-not-json",
-        ["r", "o"],
-        _export_setup(checkpoints=_ckpt(**{"manifest.json": "{"})),
-        "manifest.json: unreadable checkpoint manifest",
-    ),
-    (
-        "manifest-a-list",
-        ["r", "o"],
-        _export_setup(checkpoints=_ckpt(**{"manifest.json": "[1]"})),
-        "manifest.json: not a checkpoint manifest",
-    ),
-    (
-        "manifest-sums-a-string",
-        ["r", "o"],
-        _export_setup(checkpoints=_ckpt(**{"manifest.json": '{"sha256": "x"}'})),
-        "manifest.json: not a checkpoint manifest",
-    ),
-    (
         "state-missing",
         ["r", "o"],
         _export_setup(checkpoints=_ckpt(**{"state.pt": None, "manifest.json": '{"sha256": {}}'})),
@@ -682,6 +664,85 @@ def test_export_refuses_a_state_that_is_not_an_omgrpo_checkpoint(tmp_path, capsy
 
     err = refuse(["export", "r", "o"], tmp_path, capsys, monkeypatch, setup)
     assert "state.pt: not an omgrpo checkpoint" in err
+
+
+# A checkpoint whose manifest.json is malformed: refused by name (CheckpointError, exit 2) by
+# every verb that reads a checkpoint (`verify_checkpoint` -> `check_sha256s`, the one check of
+# checkpoints and exports), never a TypeError / AttributeError; nothing written.
+DIGEST = "0" * 64
+MANIFESTS = [
+    ("not-json", "{", "manifest.json, line 1, column 2: unreadable checkpoint manifest"),
+    ("empty", "", "manifest.json, line 1, column 1: unreadable checkpoint manifest"),
+    ("not-utf8", b"\xff\xfe{", "manifest.json: unreadable checkpoint manifest: not UTF-8"),
+    ("a-list", "[1]", "manifest.json: not a checkpoint manifest (found 'list'"),
+    ("a-number", "5", "manifest.json: not a checkpoint manifest (found 'int'"),
+    ("null", "null", "manifest.json: not a checkpoint manifest (found 'NoneType'"),
+    ("no-sums", '{"step": 1}', "manifest.json: not a checkpoint manifest (found ['step']"),
+    ("sums-a-string", '{"sha256": "x"}', "manifest.json: sha256: not a mapping of file to sha256"),
+    ("sums-a-list", '{"sha256": ["state.pt"]}', "manifest.json: sha256: not a mapping"),
+    ("sums-null", '{"sha256": null}', "manifest.json: sha256: not a mapping"),
+    ("digest-a-number", '{"sha256": {"state.pt": 5}}', "manifest.json: sha256.state.pt (found 5"),
+    ("digest-null", '{"sha256": {"state.pt": null}}', "sha256.state.pt (found None"),
+    ("digest-a-list", '{"sha256": {"state.pt": [1]}}', "sha256.state.pt (found [1]"),
+    ("digest-not-hex", '{"sha256": {"state.pt": "zz"}}', "sha256.state.pt (found 'zz'"),
+    ("digest-short", '{"sha256": {"state.pt": "00"}}', "expected a sha256 digest (64 hex"),
+    ("name-dotdot", json.dumps({"sha256": {"../x": DIGEST}}), "sha256 (found '../x'"),
+    ("name-dotdot-inside", json.dumps({"sha256": {"a/../../x": DIGEST}}), "(found 'a/../../x'"),
+    ("name-absolute", json.dumps({"sha256": {"/etc/hostname": DIGEST}}), "'/etc/hostname'"),
+    ("name-empty", json.dumps({"sha256": {"": DIGEST}}), "manifest.json: sha256 (found ''"),
+    ("name-dot", json.dumps({"sha256": {".": DIGEST}}), "manifest.json: sha256 (found '.'"),
+    ("listed-file-missing", json.dumps({"sha256": {"nope.pt": DIGEST}}), "nope.pt: missing"),
+    ("listed-folder", json.dumps({"sha256": {"sub": DIGEST}}), "sub: missing (listed in"),
+    (  # a bad name after a good one: the listing is checked whole before any file is hashed
+        "second-name-outside",
+        json.dumps({"sha256": {"state.pt": DIGEST, "../x": DIGEST}}),
+        "sha256 (found '../x'",
+    ),
+]
+
+
+def _bad_manifest(manifest: str | bytes):
+    """r/ with one complete checkpoint whose manifest.json is `manifest` (plus a folder sub/ in
+    the checkpoint), and what `omgrpo eval` needs: the suite s.yaml, ok.jsonl, m/."""
+
+    def setup(root: Path) -> None:
+        _eval_setup(_bench())(root)
+        _export_setup(checkpoints=_ckpt(**{"manifest.json": manifest}))(root)
+        (root / "r" / "checkpoints" / "step_000001" / "sub").mkdir()
+
+    return setup
+
+
+@pytest.mark.parametrize(
+    "verb",
+    [["export", "r", "o"], ["eval", "r", "--suite", "s.yaml"]],
+    ids=["export", "eval-a-run"],
+)
+@pytest.mark.parametrize(
+    ("manifest", "names"), [r[1:] for r in MANIFESTS], ids=[r[0] for r in MANIFESTS]
+)
+def test_a_malformed_checkpoint_manifest_is_refused_by_name(
+    tmp_path, capsys, monkeypatch, verb, manifest, names
+):
+    """Before: a manifest that was JSON but not a manifest's shape raised TypeError or
+    AttributeError inside verify_checkpoint; `omgrpo eval RUN` made RUN/eval/<suite>/ before it
+    verified the checkpoint."""
+    err = refuse(verb, tmp_path, capsys, monkeypatch, _bad_manifest(manifest))
+    assert names in err and "r/checkpoints/step_000001/" in err
+
+
+@pytest.mark.parametrize(
+    ("manifest", "names"), [r[1:] for r in MANIFESTS], ids=[r[0] for r in MANIFESTS]
+)
+def test_verify_checkpoint_raises_checkpoint_errors_only(tmp_path, manifest, names):
+    from omgrpo.backends.native.checkpoint import verify_checkpoint
+    from omgrpo.errors import CheckpointError
+
+    _bad_manifest(manifest)(tmp_path)
+    folder = tmp_path / "r" / "checkpoints" / "step_000001"
+    with pytest.raises(CheckpointError) as caught:
+        verify_checkpoint(folder)
+    assert names in str(caught.value) and caught.value.file is not None
 
 
 def _export_dir(change: Callable[[Path], None]):
@@ -749,6 +810,29 @@ def test_eval_refuses_a_damaged_export_before_loading_it(
         ["eval", "m", "--suite", "s.yaml"], tmp_path, capsys, monkeypatch, _export_dir(change)
     )
     assert names in err
+
+
+LISTINGS = [r for r in MANIFESTS if isinstance(r[1], str) and r[1].startswith('{"sha256"')]
+
+
+@pytest.mark.parametrize(
+    ("sums", "names"),
+    [(json.loads(r[1])["sha256"], r[2]) for r in LISTINGS],
+    ids=[r[0] for r in LISTINGS],
+)
+def test_eval_refuses_a_malformed_export_listing_as_export_refuses_a_manifest(
+    tmp_path, capsys, monkeypatch, sums, names
+):
+    """An export's omgrpo_export.json sha256 and a checkpoint's manifest.json are checked by one
+    function (`check_sha256s`): the same malformed listing gets the same refusal."""
+
+    def change(model: Path) -> None:
+        (model / "sub").mkdir()
+        _edit_meta(lambda d: d.update(sha256=sums))(model)
+
+    argv = ["eval", "m", "--suite", "s.yaml"]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, _export_dir(change))
+    assert names.replace("manifest.json", "omgrpo_export.json") in err
 
 
 # -- data prepare: every source read before anything is written; no file replaced unasked ----------

@@ -329,6 +329,10 @@ def evaluate(
         for spec in suite.benchmarks
         if earlier[spec.name] is None
     }
+    if todo and choice.path is not None:  # a damaged checkpoint is named before any write
+        from omgrpo.backends.native.checkpoint import verify_checkpoint
+
+        verify_checkpoint(choice.path)
     out_dir.mkdir(parents=True, exist_ok=True)
     say(f"evaluating {target.path} ({choice.why}) on suite '{suite.name}' -> {out_dir}")
 
@@ -439,7 +443,7 @@ def _earlier_result(
     if not isinstance(done, dict):
         say(f"  {spec.name}: {marker} is not an entry; evaluated again")
         return None
-    from omgrpo.backends.native.checkpoint import _sha256
+    from omgrpo.backends.native.checkpoint import file_sha256
 
     table = out_dir / f"{spec.name}.parquet"
     same = (
@@ -449,7 +453,7 @@ def _earlier_result(
         and done.get("grader") == version
         and table.exists()
     )
-    if same and done.get("table_sha256") not in (None, _sha256(table)):
+    if same and done.get("table_sha256") not in (None, file_sha256(table)):
         say(f"  {spec.name}: {table} does not match its entry {marker}; evaluated again")
         return None
     return done if same else None
@@ -466,14 +470,14 @@ def _run_benchmark(
 ) -> dict[str, Any]:
     """Sample and grade one benchmark; writes its table (`<name>.parquet`) and entry
     (`<name>.json`, metrics with CIs and how they were made) and returns the entry."""
-    from omgrpo.backends.native.checkpoint import _sha256
+    from omgrpo.backends.native.checkpoint import file_sha256
 
     start = time.perf_counter()
     table = sample_and_grade(sampler, problems, spec, _progress_printer(spec.name))
     seconds = time.perf_counter() - start
     with staged_file(out_dir / f"{spec.name}.parquet") as tmp:  # the table before its entry
         table.to_parquet(tmp, index=False)
-        table_sha256 = _sha256(tmp)
+        table_sha256 = file_sha256(tmp)
     entry = {
         "benchmark": spec.name,
         "k": spec.k,

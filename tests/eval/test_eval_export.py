@@ -169,12 +169,12 @@ def test_an_exports_files_carry_checksums_that_eval_verifies(exported, tmp_path,
     """omgrpo_export.json lists the sha256 of every file of the export; `omgrpo eval` checks
     them before anything loads and refuses a flipped byte, naming the file (before: evaluated
     without complaint)."""
-    from omgrpo.backends.native.checkpoint import _sha256
+    from omgrpo.backends.native.checkpoint import file_sha256
 
     meta = json.loads((exported / "omgrpo_export.json").read_text())
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(meta["sha256"])
     for name, digest in meta["sha256"].items():
-        assert _sha256(exported / name) == digest
+        assert file_sha256(exported / name) == digest
     assert not [p for p in exported.parent.iterdir() if p.name.startswith(".")]  # no temporary
 
     damaged = tmp_path / "damaged"
@@ -206,9 +206,9 @@ def test_eval_outputs_are_whole_and_a_damaged_table_is_evaluated_again(toy_run, 
         "toy_test.parquet",
     ]  # no temporary left beside them
     entry = json.loads((out / "toy_test.json").read_text())
-    from omgrpo.backends.native.checkpoint import _sha256
+    from omgrpo.backends.native.checkpoint import file_sha256
 
-    assert entry["table_sha256"] == _sha256(out / "toy_test.parquet")
+    assert entry["table_sha256"] == file_sha256(out / "toy_test.parquet")
     first = pd.read_parquet(out / "toy_test.parquet")
     capsys.readouterr()
     assert main(args) == 0

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from omgrpo.errors import CheckpointError, InputError, read_json
 from omgrpo.models.loading import load_model
 from omgrpo.models.lora import (
     adapter_state_dict,
@@ -199,34 +201,95 @@ def save_checkpoint(
     )
     with state_file.open("rb") as f:
         os.fsync(f.fileno())  # on disk before the manifest vouches for it
-    manifest = {"step": step, "sha256": {STATE_FILE: _sha256(state_file)}}
+    manifest = {"step": step, "sha256": {STATE_FILE: file_sha256(state_file)}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
     (tmp / "COMPLETE").write_text(str(step))
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)
 
 
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
+def file_sha256(path: str | Path) -> str:
+    """A file's sha256 (hex), read in chunks: what checkpoint manifests, an export's
+    omgrpo_export.json and eval's per-benchmark entries record, and `check_sha256s` checks."""
+    with Path(path).open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def verify_checkpoint(path: Path) -> None:
-    """Raise ValueError naming the file when a checkpoint's files do not match its manifest
-    (checkpoints written before manifests existed have none and are only read)."""
+_SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")
+
+
+def check_sha256s(
+    folder: str | Path,
+    sums: Any,
+    listing: str | Path,
+    *,
+    error: type[InputError] = InputError,
+    again: str = "",
+) -> None:
+    """Every file `sums` lists (a mapping of a path inside `folder` to its sha256 in hex, as
+    `listing` holds it: a checkpoint's manifest.json, an export's omgrpo_export.json) present
+    in `folder` with that sha256. The listing is checked whole before any file is read; raises
+    `error` (an InputError) naming `listing` and the key when it is not such a mapping (not a
+    mapping, a digest that is not 64 hex digits, a name that is empty, absolute or leaves
+    `folder`), and naming the file when it is missing or damaged (`again`: what to do then).
+    The one check of checkpoints (`verify_checkpoint`) and exports (`verify_export`)."""
+    folder, listing = Path(folder), Path(listing)
+    if not isinstance(sums, dict):
+        raise error(
+            "not a mapping of file to sha256",
+            file=listing,
+            key="sha256",
+            found=type(sums).__name__,
+            expected="{file: sha256 hex digest}",
+        )
+    for name, digest in sums.items():
+        parts = Path(name).parts if isinstance(name, str) else ()
+        if not parts or Path(name).is_absolute() or ".." in parts or "\0" in name:
+            raise error(
+                file=listing,
+                key="sha256",
+                found=name,
+                expected=f"a path of a file inside {folder} (no '..', not absolute)",
+            )
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+            raise error(
+                file=listing,
+                key=f"sha256.{name}",
+                found=digest,
+                expected="a sha256 digest (64 hex digits)",
+            )
+    for name, digest in sums.items():
+        file = folder / name
+        if not file.is_file():
+            raise error(f"missing (listed in {listing})", file=file)
+        if file_sha256(file) != digest.lower():
+            tail = f": {again}" if again else ""
+            raise error(f"sha256 does not match {listing} (damaged or truncated){tail}", file=file)
+
+
+def verify_checkpoint(path: str | Path) -> None:
+    """Check a checkpoint's files against its manifest (`check_sha256s`); a manifest that
+    does not parse or is not a manifest, a missing or damaged file: CheckpointError (an
+    InputError) naming it. Checkpoints written before manifests existed have none and are only
+    read."""
+    path = Path(path)
     manifest = path / MANIFEST
     if not manifest.exists():
         return
     try:
-        expected = json.loads(manifest.read_text())["sha256"]
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"{manifest}: unreadable checkpoint manifest ({e})") from e
-    for name, digest in expected.items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file}: missing (listed in {manifest})")
-        if _sha256(file) != digest:
-            raise ValueError(f"{file}: sha256 does not match {manifest} (damaged or truncated)")
+        data = read_json(manifest, "a checkpoint manifest (JSON)")
+    except InputError as e:
+        raise CheckpointError(
+            f"unreadable checkpoint manifest: {e.message}", file=manifest, row=e.row
+        ) from e
+    if not isinstance(data, dict) or "sha256" not in data:
+        raise CheckpointError(
+            "not a checkpoint manifest",
+            file=manifest,
+            found=sorted(data)[:8] if isinstance(data, dict) else type(data).__name__,
+            expected='{"sha256": {file: digest}}',
+        )
+    check_sha256s(path, data["sha256"], manifest, error=CheckpointError)
 
 
 def load_latest_intact_checkpoint(

@@ -23,10 +23,10 @@ from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
 from omgrpo.backends.native.checkpoint import (
-    MANIFEST,
     STATE_FILE,
-    _sha256,
+    check_sha256s,
     checkpoint_model,
+    file_sha256,
     resume_relevant,
     verify_checkpoint,
 )
@@ -73,15 +73,8 @@ def read_checkpoint_state(checkpoint_dir: str | Path, mmap: bool = False) -> dic
     from omgrpo.errors import CheckpointError
 
     checkpoint_dir = Path(checkpoint_dir)
-    manifest, state_file = checkpoint_dir / MANIFEST, checkpoint_dir / STATE_FILE
-    try:
-        verify_checkpoint(checkpoint_dir)
-    except ValueError as e:  # a checksum mismatch, a missing file, a manifest that is no JSON
-        raise CheckpointError(str(e)) from e
-    except (TypeError, AttributeError, KeyError) as e:  # valid JSON, not a manifest's shape
-        raise CheckpointError(
-            "not a checkpoint manifest", file=manifest, expected='{"sha256": {file: digest}}'
-        ) from e
+    state_file = checkpoint_dir / STATE_FILE
+    verify_checkpoint(checkpoint_dir)  # CheckpointError naming a damaged file or manifest
     if not state_file.is_file():
         raise CheckpointError("missing (a checkpoint holds its state here)", file=state_file)
     try:  # mmap: the optimizer state in the same file is never read into memory
@@ -102,7 +95,7 @@ def weight_checksums(model_dir: Path) -> dict[str, str]:
     """sha256 of every file of an export (weights, configs, tokenizer) but its metadata, by
     path relative to the directory: what `verify_export` checks before anything loads it."""
     files = sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != EXPORT_META)
-    return {str(p.relative_to(model_dir)): _sha256(p) for p in files}
+    return {str(p.relative_to(model_dir)): file_sha256(p) for p in files}
 
 
 def verify_export(model_dir: str | Path) -> dict[str, Any] | None:
@@ -117,24 +110,9 @@ def verify_export(model_dir: str | Path) -> dict[str, Any] | None:
         meta = read_mapping(path, "an omgrpo export's metadata (a JSON object)")
     except InputError as e:
         raise ExportError(str(e)) from e
-    sums = meta.get("sha256")
-    if sums is None:
+    if "sha256" not in meta:  # written before exports carried checksums
         return meta
-    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
-        raise ExportError(
-            file=path, key="sha256", found=type(sums).__name__, expected="{file: digest}"
-        )
-    for name, digest in sums.items():
-        file = model_dir / name
-        if ".." in Path(name).parts or Path(name).is_absolute():
-            raise ExportError(file=path, key="sha256", found=name, expected="a file of the export")
-        if not file.is_file():
-            raise ExportError(f"missing (listed in {path})", file=file)
-        if _sha256(file) != digest:
-            raise ExportError(
-                f"sha256 does not match {path} (damaged or truncated): export the run again",
-                file=file,
-            )
+    check_sha256s(model_dir, meta["sha256"], path, error=ExportError, again="export the run again")
     return meta
 
 
@@ -208,9 +186,3 @@ def write_export_meta(
         "sha256": weight_checksums(model_dir),  # `omgrpo eval` verifies them (verify_export)
     }
     (model_dir / EXPORT_META).write_text(json.dumps(meta, indent=2, default=str) + "\n")
-
-
-def read_export_meta(model_dir: str | Path) -> dict[str, Any] | None:
-    """The omgrpo metadata of an exported directory, or None for any other model directory."""
-    path = Path(model_dir) / EXPORT_META
-    return json.loads(path.read_text()) if path.is_file() else None
