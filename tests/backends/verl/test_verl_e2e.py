@@ -10,15 +10,17 @@ processes wrote: verl's file logger (the driver's metrics, checked by the GPU sm
 `check_run`) and the rollout server's request log.
 
 Each verl process costs ~2 min of startup on 2 cores (a dozen processes that each import verl),
-so the tests share two runs, each started once for the module (module fixtures; `make test`
-hands each test file to one pytest-xdist worker, `--dist loadfile`): OM-GRPO with CAR at w = 0
-(2 steps, collapse stop forced, a checkpoint at step 2), and one step at w = 1 whose reward
-holds the parts of the w = 1 methods tested here, majority voting, GT and the PRM's process
-reward (a tiny random PRM in its Ray actor) with format. Each part is logged on its own, so each method's
-reward is checked as in a run of that method alone; that `method=mv` / `method=gt` select
-exactly these settings is checked on their composed configs. The OM-GRPO run's omgrpo run store
-is then read as a native run's: `omgrpo report` (collapse verdict, figures), `omgrpo export`
-(verl's model merger) -> `transformers` (the actor's log-probs) -> `omgrpo eval`.
+so the tests share one run, started once for the module (a module fixture; `make test` hands
+each test file to one pytest-xdist worker, `--dist loadfile`): OM-GRPO with CAR at w = 0 (a
+validation before training, 2 steps, collapse stop forced, a checkpoint at step 2) whose reward also holds the parts of the
+other methods tested here, majority voting, GT and the PRM's process reward (a tiny random PRM
+in its Ray actor). Each part is logged on its own, so each method's reward is checked as in a
+run of that method alone; that `method=mv` / `method=gt` / `method=prm` select exactly their
+part at w = 1 without CAR is checked on their composed configs (a second verl run at w = 1 cost
+~3 min of the suite; the loss at w = 1 is checked against the native one in
+`test_verl_dapo.py`). The run's omgrpo run store is then read as a native run's:
+`omgrpo report` (collapse verdict, figures), `omgrpo export` (verl's model merger) ->
+`transformers` (the actor's log-probs) -> `omgrpo eval`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).parent / "verl_cpu"))
 import harness
@@ -42,10 +43,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 TIMEOUT_S = 900  # per verl process (a guard against hangs; ~2 min each on 2 idle cores)
 G = 8
 PROMPTS = 2  # data.train_batch_size
-W1_PROMPTS = 4  # the w = 1 step's: GT rewards are sparse (the toy base gets ~1 in 6 right)
 SPREAD = "harness_spread"  # verl_cpu/omgrpo_cpu_reward.py: i * 1e-3 for rollout i of a group
-OM_GRPO_PARTS = ("soft_vote", "format", SPREAD)
-W1_PARTS = ("majority_vote", "gt", "process", "format", SPREAD)
+PARTS = ("soft_vote", "format", "majority_vote", "gt", "process", SPREAD)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,6 @@ def setup(base_cache, tmp_path_factory):
 
 
 RUN_NAME = "paper_qwen3_1p7b__om_grpo__s0"  # the preset's <experiment>__<variant>__s<seed>
-W1_RUN_NAME = "paper_qwen3_1p7b__prm__s0"
 
 
 def _parts(parts: tuple[str, ...]) -> str:
@@ -65,55 +63,58 @@ def _parts(parts: tuple[str, ...]) -> str:
 
 @pytest.fixture(scope="module")
 def om_grpo_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
-    """3 OM-GRPO steps asked for (w = 0, soft vote + format, CAR) with the collapse detector
-    forced to fire at step 2 and `stop=true`; a checkpoint at step 2 (the export below), the
-    rollouts of both steps in the run store. (its folder, verl's logged steps)"""
+    """3 OM-GRPO steps asked for (w = 0, CAR; reward: the soft vote, format, majority vote, GT
+    and the process reward of a tiny random token-classification PRM in its Ray actor) with the
+    collapse detector forced to fire at step 2 and `stop=true`; a validation before training
+    (step 0: `problems.parquet`), a checkpoint at step 2 (the export below), the rollouts of
+    both steps in the run store. (its folder, verl's logged training steps)"""
     out = tmp_path_factory.mktemp("om_grpo")
-    store_args = ["trainer.save_freq=2", "omgrpo.run.log_rollouts_every=1"]
-    extra = [*COLLAPSE_AT_STEP_2, *store_args, _parts(OM_GRPO_PARTS)]
-    return out, _run(out, setup, steps=3, extra=extra)
-
-
-@pytest.fixture(scope="module")
-def w1_run(setup, tmp_path_factory) -> tuple[Path, dict[int, dict]]:
-    """One step at w = 1 (`method=prm`, no CAR) of 4 prompts x G whose reward holds MV's, GT's
-    and the PRM's parts (+ format): a tiny random token-classification PRM in its Ray actor on
-    the CPU. (its folder, verl's logged steps)"""
-    out = tmp_path_factory.mktemp("w1")
     prm = tiny_prm(setup[0], out / "prm")
-    extra = [
-        "method=prm",
-        f"omgrpo.reward.prm.path={prm}",
-        "omgrpo.reward.prm.format=token_classification",
-        _parts(W1_PARTS),
-        f"data.train_batch_size={W1_PROMPTS}",
-    ]
-    return out, _run(out, setup, 1, extra)
+    store_args = ["trainer.save_freq=2", "omgrpo.run.log_rollouts_every=1"]
+    prm_args = [f"omgrpo.reward.prm.path={prm}", "omgrpo.reward.prm.format=token_classification"]
+    extra = [*COLLAPSE_AT_STEP_2, *store_args, _parts(PARTS), *prm_args, VALIDATE_FIRST]
+    logged = _run(out, setup, steps=3, extra=extra)
+    return out, {step: m for step, m in logged.items() if step > 0}
+
+
+VALIDATE_FIRST = "trainer.val_before_train=true"
+VAL_SAMPLES = 4  # the preset's actor_rollout_ref.rollout.val_kwargs.n
 
 
 def _run(out: Path, setup, steps: int, extra: list[str]) -> dict[int, dict]:
     base, train, val = setup
-    args = [*harness.overrides(base, train, val, steps, G), f"run.root={out / 'runs'}", *extra]
+    replaced = {e.split("=", 1)[0] for e in extra}
+    args = [
+        a for a in harness.overrides(base, train, val, steps, G) if a.split("=")[0] not in replaced
+    ]
+    args += [f"run.root={out / 'runs'}", *extra]
     rc = harness.run_train(out, args, timeout=TIMEOUT_S)
     log = (out / "train.log").read_text()
     assert rc == 0, f"verl run failed (exit code {rc}):\n{log[-6000:]}"
     return read_metrics(out / "metrics.jsonl")
 
 
-def _served_by_version(out: Path, tokenizer) -> dict[int, tuple[list[str], list[str]]]:
+def _served_by_version(
+    out: Path, tokenizer, val_file: Path, validation: bool = False
+) -> dict[int, tuple[list[str], list[str]]]:
     """The hf server's generations (decoded), by the step of the weights that served them:
-    (rollouts, CAR pair answers: their prompts hold two solutions)."""
+    (rollouts, CAR pair answers: their prompts hold two solutions); those of the training steps,
+    or with `validation` those of the validation (prompts holding a validation question)."""
+    prompts = pd.read_parquet(val_file)["prompt"]
+    questions = [m["content"] for p in prompts for m in p if m["role"] == "user"]
     by_version = defaultdict(lambda: ([], []))
     for r in harness.read_jsonl(out / "server.jsonl"):
-        is_car = "[Solution 1]" in tokenizer.decode(r["prompt_ids"])
+        prompt = tokenizer.decode(r["prompt_ids"])
+        if any(q in prompt for q in questions) != validation:
+            continue
         text = tokenizer.decode(r["token_ids"], skip_special_tokens=True)
-        by_version[r["global_steps"]][int(is_car)].append(text)
+        by_version[r["global_steps"]][int("[Solution 1]" in prompt)].append(text)
     return dict(by_version)
 
 
 def test_om_grpo_car_two_steps_and_collapse_stop(om_grpo_run, setup, tmp_path, metric_table):
-    """2 OM-GRPO steps (w = 0, soft vote + format, CAR); the collapse detector is forced to fire
-    at step 2 with `stop=true`, so a 3-step run ends after step 2."""
+    """2 OM-GRPO steps (w = 0, CAR); the collapse detector is forced to fire at step 2 with
+    `stop=true`, so a 3-step run ends after step 2."""
     from transformers import AutoTokenizer
 
     from omgrpo.core.answers import extract_boxed
@@ -125,7 +126,7 @@ def test_om_grpo_car_two_steps_and_collapse_stop(om_grpo_run, setup, tmp_path, m
         expect_steps=2,
         answer_weight=0.0,
         car=True,
-        reward_parts=OM_GRPO_PARTS,
+        reward_parts=PARTS,
         collapse_step=2,
     )
     assert not problems, "\n".join(problems)
@@ -140,7 +141,7 @@ def test_om_grpo_car_two_steps_and_collapse_stop(om_grpo_run, setup, tmp_path, m
     assert steps[2]["kl/reasoning"] > 0  # the policy moved in step 1 (the KL is 0 in step 1)
 
     # The soft vote and CAR scored what the rollout server generated in that step.
-    served = _served_by_version(out, AutoTokenizer.from_pretrained(setup[0]))
+    served = _served_by_version(out, AutoTokenizer.from_pretrained(setup[0]), setup[2])
     assert len(served) == 2, f"weights of steps {sorted(served)} served, expected 2 versions"
     for (step, m), version in zip(sorted(steps.items()), sorted(served)):
         rollouts, pairs = served[version]
@@ -157,31 +158,24 @@ def test_om_grpo_car_two_steps_and_collapse_stop(om_grpo_run, setup, tmp_path, m
     check_report_export_eval(out / "runs" / RUN_NAME, tmp_path, setup)
 
 
-def test_mv_and_gt_one_step(w1_run, setup):
-    """Majority voting's and the GT reward's parts in a verl step at w = 1: each is logged, the
-    GT reward is the correctness the diagnostics measure, and answer tokens keep their
-    advantage, so their share of the PG weight is > 0 (exactly 0 with w = 0 above).
-    `method=mv` and `method=gt` select exactly that: their part, w = 1, no CAR, as the run."""
+def test_mv_and_gt_parts_and_their_methods(om_grpo_run, setup):
+    """Majority voting's and the GT reward's parts in verl steps: each is logged, and the GT
+    reward is the correctness the diagnostics measure. `method=mv` and `method=gt` select
+    exactly that: their part, w = 1, no CAR (and `method=prm` the process reward + format)."""
     from omgrpo.backends.verl.config import compose_verl
-    from omgrpo.tracking.store import RunStore
 
-    out, steps = w1_run
-    problems = check_run(steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=W1_PARTS)
-    assert not problems, "\n".join(problems)
-    m = steps[1]
-    assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"]  # the check above ran
-    assert "reward/soft_vote" not in m and "car/pool_size" not in m
-    assert m["reward/gt"] == pytest.approx(m["acc/train"])
-    assert 0 <= m["reward/majority_vote"] <= 1 and m["answers/extract_rate"] > 0
+    out, steps = om_grpo_run
+    for step, m in steps.items():
+        assert m["reward/gt"] == pytest.approx(m["acc/train"]), step
+        assert 0 <= m["reward/majority_vote"] <= 1, step
 
-    run = RunStore(out / "runs" / W1_RUN_NAME).read_config()
     base, train, val = setup
     args = [a for a in harness.overrides(base, train, val, 1, G) if not a.startswith("experiment=")]
-    for method, part in {"mv": "majority_vote", "gt": "gt"}.items():
-        om = compose_verl("paper_qwen3_1p7b", [*args, f"method={method}"]).omgrpo
-        assert list(om.reward.parts) == [part], method
-        assert OmegaConf.to_container(om.algorithm) == run["algorithm"], method
-        assert om.car.enable is False and run["car"]["enable"] is False, method
+    prm = f"omgrpo.reward.prm.path={out / 'prm'}"  # method=prm refuses a null path on verl
+    for method, part in {"mv": "majority_vote", "gt": "gt", "prm": "process"}.items():
+        om = compose_verl("paper_qwen3_1p7b", [*args, f"method={method}", prm]).omgrpo
+        assert list(om.reward.parts) == ([part, "format"] if part == "process" else [part])
+        assert om.algorithm.answer_weight == 1.0 and om.car.enable is False, method
 
 
 def tiny_prm(base: Path, out: Path) -> Path:
@@ -198,28 +192,47 @@ def tiny_prm(base: Path, out: Path) -> Path:
     return out
 
 
-def test_prm_one_step(w1_run, metric_table):
-    """A verl step with the PRM's process reward (`method=prm`, the appendix's PRM baselines):
-    the PRM actor loads the checkpoint on the CPU, the agent loop's groups get the process
-    reward (+ format), and the PRM's diagnostics reach verl's log under the native names."""
-    out, steps = w1_run
-    problems = check_run(steps, expect_steps=1, answer_weight=1.0, car=False, reward_parts=W1_PARTS)
-    assert not problems, "\n".join(problems)
-    m = steps[1]
-    logged = set(m)
-    assert metric_table.undocumented(logged, "verl") == []  # docs/metrics.md
-    assert m["prm/unscored_share"] == 0.0 and m["prm/steps_per_response"] > 0
-    assert 0 < m["prm/step_score_mean"] < 1
-    # no rollout was left unscored, so the process reward is the aggregate itself
-    assert m["reward/process"] == pytest.approx(m["prm/aggregate_mean"])
-    check_prm_rollouts(out / "runs" / W1_RUN_NAME)
+def test_prm_process_reward(om_grpo_run, metric_table):
+    """The PRM's process reward in verl steps (the appendix's PRM baselines): the PRM actor
+    loads the checkpoint on the CPU, the agent loop's groups get the process reward, and the
+    PRM's diagnostics reach verl's log under the native names."""
+    out, steps = om_grpo_run
+    for step, m in steps.items():
+        assert metric_table.undocumented(set(m), "verl") == []  # docs/metrics.md
+        assert m["prm/unscored_share"] == 0.0 and m["prm/steps_per_response"] > 0, step
+        assert 0 < m["prm/step_score_mean"] < 1, step
+        # no rollout was left unscored, so the process reward is the aggregate itself
+        assert m["reward/process"] == pytest.approx(m["prm/aggregate_mean"]), step
+    check_prm_rollouts(out / "runs" / RUN_NAME)
+
+
+def test_validation_writes_each_problems_row(om_grpo_run, setup):
+    """verl's validation before training (step 0, 4 samples of each validation problem) wrote
+    `problems.parquet` as a native validation does: one row per validation problem, whose
+    accuracies average to the `val/acc` verl logged, each modal answer's share in (0, 1]."""
+    from transformers import AutoTokenizer
+
+    from omgrpo.tracking.store import RunStore
+
+    out, _ = om_grpo_run
+    served = _served_by_version(out, AutoTokenizer.from_pretrained(setup[0]), setup[2], True)
+    samples = [text for rollouts, _ in served.values() for text in rollouts]
+    assert len(samples) == harness.N_VAL * VAL_SAMPLES
+    validation = read_metrics(out / "metrics.jsonl")[0]
+    table = RunStore(out / "runs" / RUN_NAME).read_problems()
+    assert (table["step"] == 0).all() and len(table) == harness.N_VAL
+    assert table["problem_id"].is_unique
+    assert table["accuracy"].mean() == pytest.approx(validation["val/acc"])
+    answered = table["modal_answer"].notna()
+    assert answered.any() and table.loc[answered, "modal_share"].between(0, 1).all()
+    assert (table.loc[answered, "modal_share"] > 0).all()
 
 
 def check_prm_rollouts(run_dir: Path) -> None:
     """The run store's rollouts of step 1 hold each rollout's step scores, and its process
     reward is their minimum (`reward.prm.aggregate=min`; the table rounds to 4 decimals)."""
     table = pd.read_parquet(run_dir / "rollouts" / "step_000001.parquet")
-    assert len(table) == W1_PROMPTS * G
+    assert len(table) == PROMPTS * G
     for scores, reward in zip(table["prm_step_scores"], table["reward_process"]):
         steps = [float(x) for x in scores.split()]
         assert steps and reward == pytest.approx(min(steps), abs=1e-4)
@@ -239,7 +252,7 @@ def check_run_store(run_dir: Path, steps: dict[int, dict], served: dict) -> None
     status = store.read_status()
     assert (status["state"], status["step"], status["collapse_step"]) == ("collapsed", 2, 2)
     rows = dict(store.metric_rows())
-    assert sorted(rows) == sorted(steps) == [1, 2]
+    assert sorted(rows) == [0, *sorted(steps)] and sorted(steps) == [1, 2]  # 0: validation
     for step, logged in steps.items():  # same names and values as verl's file logger
         assert rows[step].keys() == logged.keys(), step
         assert rows[step] == pytest.approx(logged, nan_ok=True), step
