@@ -1353,6 +1353,27 @@ def test_base_and_prm_refuse_before_training(tmp_path, capsys, monkeypatch, verb
 
 PLAN_VERL = [
     ("no-preset", ["--device-gb", "10"], "experiment: name a verl preset"),
+    # compose_verl's refusals: a ValueError traceback ("a bug") from `plan backend=verl` before
+    (
+        "answer-weight-negative",
+        ["experiment=paper_qwen3_1p7b", "omgrpo.algorithm.answer_weight=-1", "--device-gb", "10"],
+        "omgrpo.algorithm.answer_weight must be >= 0",
+    ),
+    (
+        "group-of-one",
+        ["experiment=paper_qwen3_1p7b", "actor_rollout_ref.rollout.n=1", "--device-gb", "10"],
+        "actor_rollout_ref.rollout.n (G, rollouts per prompt)",
+    ),
+    (
+        "seed-negative",
+        ["experiment=paper_qwen3_1p7b", "seed=-1", "--device-gb", "10"],
+        "omgrpo.seed (found -1",
+    ),
+    (
+        "gpus-zero",
+        ["experiment=paper_qwen3_1p7b", "trainer.n_gpus_per_node=0", "--device-gb", "10"],
+        "trainer.n_gpus_per_node (found 0",
+    ),
     ("device-gb-nan", ["experiment=paper_qwen3_1p7b", "--device-gb", "nan"], "--device-gb"),
     ("device-gb-zero", ["experiment=paper_qwen3_1p7b", "--device-gb", "0"], "--device-gb"),
     ("no-model-path", ["experiment=paper_qwen3_1p7b", "--device-gb", "10"], "model.path: set"),
@@ -1386,6 +1407,55 @@ TRAIN_VERL = [
         "set actor_rollout_ref.model.path",
     ),
 ]
+VERL_LAUNCH = [
+    "experiment=paper_qwen3_1p7b",
+    "actor_rollout_ref.model.path=/nonexistent",
+    "data.train_files=a.parquet",
+    "data.val_files=b.parquet",
+]
+# a bad omgrpo.* (or verl) value of a launch otherwise complete: refused by compose_verl
+# (omgrpo.backends.verl.config: InputError naming the key) or verl's own validate_config, with no
+# traceback, before Ray; --dry-run is the same path without the launch
+TRAIN_VERL_VALUES = [
+    ("unknown-omgrpo-key", ["omgrpo.nokey=1"], "Key 'nokey' not in 'OmgrpoVerlConfig'"),
+    ("bad-type", ["omgrpo.algorithm.answer_weight=abc"], "omgrpo.algorithm.answer_weight=abc"),
+    ("answer-weight-negative", ["omgrpo.algorithm.answer_weight=-1"], "answer_weight must be >="),
+    ("unsupported-reward", ["omgrpo.reward.parts=[entropy]"], "omgrpo.reward.parts: ['entropy']"),
+    ("verl-owned-key", ["omgrpo.algorithm.kl_coef=0.1"], "set actor_rollout_ref.actor.kl_loss"),
+    ("resume-maybe", ["run.resume=maybe"], "omgrpo.run.resume='maybe'"),
+    ("group-of-one", ["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n (G,"),
+    ("group-size-text", ["actor_rollout_ref.rollout.n=abc"], "got 'abc'"),  # int(): ValueError
+    ("seed-negative", ["seed=-1"], "omgrpo.seed (found -1"),  # went to verl unchecked
+    ("patience-zero", ["omgrpo.collapse.patience=0"], "omgrpo.collapse.patience (found 0"),
+    ("log-rollouts-zero", ["omgrpo.run.log_rollouts_every=0"], "log_rollouts_every (found 0"),
+    (
+        "prm-gpus-nan",  # nan < 0 is false: it passed
+        ["omgrpo.reward.parts=[process]", "omgrpo.reward.prm.path=p", "omgrpo.prm_server.num_gpus=nan"],
+        "omgrpo.prm_server.num_gpus (found nan",
+    ),
+    (
+        "prm-aggregate-unknown",
+        ["omgrpo.reward.parts=[process]", "omgrpo.reward.prm.path=p", "omgrpo.reward.prm.aggregate=x"],
+        "omgrpo.reward.prm.aggregate: unknown reward.prm.aggregate 'x'",
+    ),
+    ("batch-zero", ["data.train_batch_size=0"], "data.train_batch_size (found 0"),
+    ("gpus-zero", ["trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node (found 0"),
+    ("top-p-above-one", ["actor_rollout_ref.rollout.top_p=1.5"], "rollout.top_p (found 1.5"),
+    ("entropy-bonus", ["actor_rollout_ref.actor.entropy_coeff=0.1"], "entropy_coeff must be 0"),
+    (
+        "refused-by-verls-check",  # verl's validate_config: a ValueError traceback before
+        ["actor_rollout_ref.actor.use_dynamic_bsz=false",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"],
+        "verl's config check refused it: [actor_rollout_ref.ref]",
+    ),
+    (
+        "refused-by-verls-check-dry-run",  # --dry-run runs the same checks, without a launch
+        ["actor_rollout_ref.actor.use_dynamic_bsz=false",
+         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "--dry-run"],
+        "verl's config check refused it: [actor_rollout_ref.ref]",
+    ),
+    ("seed-negative-dry-run", ["seed=-1", "--dry-run"], "omgrpo.seed (found -1"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -1394,3 +1464,21 @@ TRAIN_VERL = [
 def test_train_on_verl_refuses_before_ray(tmp_path, capsys, monkeypatch, args, names):
     err = refuse(["train", "backend=verl", *args], tmp_path, capsys, monkeypatch)
     assert names in err
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [r[1:] for r in TRAIN_VERL_VALUES],
+    ids=[r[0] for r in TRAIN_VERL_VALUES],
+)
+def test_train_on_verl_refuses_a_bad_value_before_ray(tmp_path, capsys, monkeypatch, args, names):
+    from omgrpo.backends.verl import launch
+
+    def run_ppo(*args, **kwargs):
+        raise AssertionError("a refused launch started verl's run_ppo")
+
+    monkeypatch.setattr("verl.trainer.main_ppo.run_ppo", run_ppo)
+    monkeypatch.setattr(launch, "check_checkpoint_folder", lambda cfg: None)
+    argv = ["train", "backend=verl", *VERL_LAUNCH, *args]
+    err = refuse(argv, tmp_path, capsys, monkeypatch)
+    assert err.startswith("omgrpo train backend=verl: error: ") and names in err

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from omgrpo.config import (
     EXPERIMENTS_DIR,
+    VALUE_RANGES,
     AlgorithmConfig,
     CollapseConfig,
     RewardConfig,
@@ -27,6 +28,7 @@ from omgrpo.config import (
 )
 from omgrpo.core.car import CarConfig
 from omgrpo.core.process import aggregate
+from omgrpo.errors import InputError, MissingDependency, check_int, check_number
 
 VERL_PRESETS_DIR = EXPERIMENTS_DIR / "verl"
 
@@ -154,7 +156,7 @@ def available_presets() -> list[str]:
 
 def _require_verl() -> None:
     if importlib.util.find_spec("verl") is None:
-        raise ModuleNotFoundError(
+        raise MissingDependency(
             "backend=verl needs verl: install the extra with `pip install 'omgrpo[verl]'` "
             "(after torch, so pip does not pull another torch build)"
         )
@@ -188,8 +190,10 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
     _require_verl()
     preset = VERL_PRESETS_DIR / f"{experiment}.yaml"
     if not preset.is_file() or experiment not in available_presets():
-        raise FileNotFoundError(
-            f"no verl preset '{experiment}' ({preset}); available: {', '.join(available_presets())}"
+        raise InputError(
+            f"no verl preset '{experiment}' ({preset})",
+            key="experiment",
+            expected=f"one of {', '.join(available_presets())}",
         )
     register_schema()
     with initialize_config_dir(version_base="1.3", config_dir=str(EXPERIMENTS_DIR)):
@@ -202,7 +206,8 @@ def compose_verl(experiment: str, overrides: list[str] | None = None) -> DictCon
         if (gpus := os.environ.get(JOB_GPUS_VAR)) and not _given(
             overrides, "trainer.n_gpus_per_node"
         ):
-            cfg.trainer.n_gpus_per_node = int(gpus)
+            count = int(gpus) if gpus.strip().isdigit() else gpus
+            cfg.trainer.n_gpus_per_node = check_int(count, JOB_GPUS_VAR, minimum=1)
     validate_section(cfg)
     return cfg
 
@@ -211,7 +216,7 @@ def section(cfg: DictConfig) -> DictConfig:
     """The `omgrpo` section of a full verl config, with a clear error if it is absent."""
     node = cfg.get("omgrpo")
     if node is None:
-        raise KeyError(
+        raise InputError(
             "the verl config has no `omgrpo` section: compose it with an experiments/verl preset "
             "(omgrpo train backend=verl experiment=...)"
         )
@@ -232,13 +237,19 @@ def validate_section(cfg: DictConfig) -> None:
     om = section(cfg)
     unsupported = [p for p in om.reward.parts if p not in SUPPORTED_REWARDS]
     if unsupported:
-        raise ValueError(
+        raise InputError(
             f"omgrpo.reward.parts: {unsupported} not supported by the verl backend "
             f"(supported: {', '.join(SUPPORTED_REWARDS)}); use the native trainer for them"
         )
-    validate_algorithm(om.algorithm, "omgrpo.algorithm")
+    try:  # shared with the native trainer, whose checks raise ValueError naming the key
+        validate_algorithm(om.algorithm, "omgrpo.algorithm")
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(str(e)) from e
     _check_process(om)
     _check_verl_owned(om)
+    _check_ranges(cfg, om)
     _check_group_size(cfg, om)
     _check_masking(cfg)
     _check_generic_masks(cfg, om)
@@ -247,33 +258,82 @@ def validate_section(cfg: DictConfig) -> None:
     _check_seed_and_resume(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
     if mode != "omgrpo":
-        raise ValueError(f"trainer.v1.trainer_mode must be 'omgrpo' for OM-GRPO, got {mode!r}")
+        raise InputError(f"trainer.v1.trainer_mode must be 'omgrpo' for OM-GRPO, got {mode!r}")
     manager = OmegaConf.select(cfg, "actor_rollout_ref.rollout.agent.agent_loop_manager_class")
     if manager != AGENT_LOOP_MANAGER:
-        raise ValueError(
+        raise InputError(
             "actor_rollout_ref.rollout.agent.agent_loop_manager_class must be "
             f"{AGENT_LOOP_MANAGER} (group rewards and answer spans), got {manager!r}"
         )
     if OmegaConf.select(cfg, "algorithm.adv_estimator") != "grpo":
-        raise ValueError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
+        raise InputError("algorithm.adv_estimator must be 'grpo' (answer weighting follows it)")
 
 
 def _check_process(om: DictConfig) -> None:
     """The `process` reward needs a PRM checkpoint (the toy PRM is the native trainer's)."""
     if "process" not in om.reward.parts:
         return
-    aggregate([], om.reward.prm.aggregate)  # names the valid aggregations
+    try:
+        aggregate([], om.reward.prm.aggregate)  # names the valid aggregations
+    except ValueError as e:
+        raise InputError(str(e), key="omgrpo.reward.prm.aggregate") from e
     if not om.reward.prm.path:
-        raise ValueError(
+        raise InputError(
             "omgrpo.reward.prm.path is null, which means the toy PRM (native trainer only): "
             "point it at a PRM checkpoint for reward 'process' on verl (docs/prm.md)"
         )
-    if om.reward.prm.batch_size < 1:
-        raise ValueError(
-            f"omgrpo.reward.prm.batch_size must be >= 1, got {om.reward.prm.batch_size}"
-        )
-    if om.prm_server.num_gpus < 0 or om.prm_server.num_cpus < 0:
-        raise ValueError("omgrpo.prm_server.num_gpus and num_cpus must be >= 0")
+    check_int(om.reward.prm.batch_size, "omgrpo.reward.prm.batch_size", minimum=1)
+    check_number(om.prm_server.num_gpus, "omgrpo.prm_server.num_gpus", minimum=0)
+    check_number(om.prm_server.num_cpus, "omgrpo.prm_server.num_cpus", minimum=0)
+
+
+_ABSENT = object()
+
+VERL_RANGES: tuple[tuple[str, str, float | None, float | None, bool], ...] = (
+    ("data.train_batch_size", "int", 1, None, False),
+    ("trainer.n_gpus_per_node", "int", 1, None, False),
+    ("trainer.nnodes", "int", 1, None, False),
+    ("trainer.total_epochs", "int", 1, None, False),
+    ("trainer.total_training_steps", "int", 1, None, True),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size", "int", 1, None, False),
+    ("actor_rollout_ref.actor.ppo_epochs", "int", 1, None, False),
+    ("actor_rollout_ref.actor.optim.lr", "float>", 0, None, False),
+    ("actor_rollout_ref.rollout.temperature", "float", 0, None, False),
+    ("actor_rollout_ref.rollout.top_p", "float>", 0, 1, False),
+    ("actor_rollout_ref.rollout.gpu_memory_utilization", "float>", 0, 1, False),
+    ("actor_rollout_ref.rollout.val_kwargs.n", "int", 1, None, False),
+)
+"""verl keys the presets set whose nonsense values verl 0.9.1's `validate_config` lets through
+(data.train_batch_size=0, trainer.n_gpus_per_node=0, a top_p of 0 or above 1): the same ranges
+as `omgrpo.config.VALUE_RANGES`, checked before Ray starts (`_check_ranges`)."""
+
+
+def _check_range_table(cfg: DictConfig, table, prefix: str = "") -> None:
+    for key, kind, low, high, nullable in table:
+        value = OmegaConf.select(cfg, key, default=_ABSENT)
+        if value is _ABSENT:
+            continue  # a key this config does not have (the native trainer's trainer.*, ...)
+        if kind == "int":
+            check_int(value, prefix + key, minimum=low, maximum=high, allow_none=nullable)
+        else:
+            check_number(
+                value,
+                prefix + key,
+                minimum=low,
+                maximum=high,
+                exclusive_minimum=kind == "float>",
+                allow_none=nullable,
+            )
+
+
+def _check_ranges(cfg: DictConfig, om: DictConfig) -> None:
+    """The native trainer's ranges (`omgrpo.config.VALUE_RANGES`) of the keys the section
+    shares with it (seed, rollout.n, algorithm.*, reward.*, collapse.*), named `omgrpo.<key>`,
+    the section's own numbers and `VERL_RANGES`: seed=-1 or omgrpo.collapse.patience=0 went to
+    verl unchecked."""
+    _check_range_table(om, VALUE_RANGES, "omgrpo.")
+    check_int(om.run.log_rollouts_every, "omgrpo.run.log_rollouts_every", minimum=1)
+    _check_range_table(cfg, VERL_RANGES)
 
 
 def _check_verl_owned(om: DictConfig) -> None:
@@ -281,7 +341,7 @@ def _check_verl_owned(om: DictConfig) -> None:
     defaults = {f.name: f.default for f in fields(AlgorithmConfig)}
     for key, verl_key in VERL_ACTOR_KEYS.items():
         if om.algorithm[key] != defaults[key]:
-            raise ValueError(
+            raise InputError(
                 f"omgrpo.algorithm.{key}={om.algorithm[key]} is not read by the verl backend; "
                 f"set {verl_key} instead"
             )
@@ -291,13 +351,13 @@ def _check_group_size(cfg: DictConfig, om: DictConfig) -> None:
     """G: the workers read `actor_rollout_ref.rollout.n`; the presets set it from
     `omgrpo.rollout.n`, and an override of only one of them must not go unnoticed."""
     n = OmegaConf.select(cfg, "actor_rollout_ref.rollout.n")
-    if n is None or int(n) < 2:
-        raise ValueError(
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise InputError(
             f"actor_rollout_ref.rollout.n (G, rollouts per prompt) must be at least 2 for group "
             f"rewards and GRPO, got {n!r}"
         )
-    if int(om.rollout.n) != int(n):
-        raise ValueError(
+    if om.rollout.n != n:
+        raise InputError(
             f"actor_rollout_ref.rollout.n={n} but omgrpo.rollout.n={om.rollout.n}: verl's workers "
             "generate actor_rollout_ref.rollout.n rollouts per prompt; set omgrpo.rollout.n "
             "(the presets derive actor_rollout_ref.rollout.n from it)"
@@ -308,7 +368,7 @@ def _check_masking(cfg: DictConfig) -> None:
     """verl settings that would put answer-token gradient back behind the outcome mask."""
     entropy_coeff = OmegaConf.select(cfg, "actor_rollout_ref.actor.entropy_coeff", default=0)
     if float(entropy_coeff or 0) != 0.0:
-        raise ValueError(
+        raise InputError(
             f"actor_rollout_ref.actor.entropy_coeff must be 0, got {entropy_coeff}: verl's "
             "entropy bonus covers every response token, answer tokens included, which undoes "
             "outcome masking (OM-GRPO masks answer tokens in the PG and KL terms)"
@@ -317,14 +377,14 @@ def _check_masking(cfg: DictConfig) -> None:
         cfg, "actor_rollout_ref.actor.policy_loss.loss_mode", default="vanilla"
     )
     if loss_mode != "vanilla":
-        raise ValueError(
+        raise InputError(
             f"actor_rollout_ref.actor.policy_loss.loss_mode must be 'vanilla', got "
             f"{loss_mode!r}: omgrpo masks answer tokens by scaling the per-token advantage, "
             "which is exact only for the token-level clipped surrogate (others, e.g. gspo, "
             "kl_cov, clip_cov, mix sequence-level ratios or add terms over every token)"
         )
     if OmegaConf.select(cfg, "algorithm.use_kl_in_reward", default=False):
-        raise ValueError(
+        raise InputError(
             "algorithm.use_kl_in_reward must be false: verl's in-reward KL penalty covers every "
             "response token, answer tokens included, which undoes outcome masking; use the KL "
             "loss (actor_rollout_ref.actor.use_kl_loss, weighted on answer tokens by omgrpo)"
@@ -347,7 +407,7 @@ def _check_dapo(om: DictConfig) -> None:
     for key, why in NATIVE_ONLY_DAPO.items():
         value = om.algorithm.get(key)
         if value is not None and value is not False:
-            raise ValueError(
+            raise InputError(
                 f"omgrpo.algorithm.{key}={value} is native-only for now ({why}); "
                 "use the native trainer or leave it null"
             )
@@ -360,7 +420,7 @@ def _check_generic_masks(cfg: DictConfig, om: DictConfig) -> None:
         return
     corr = OmegaConf.select(cfg, "algorithm.rollout_correction", default=None)
     if corr and corr.get("bypass_mode", False):
-        raise ValueError(
+        raise InputError(
             "omgrpo.algorithm.top_entropy_quantile needs the per-token entropy of verl's "
             "old-log-prob pass, which algorithm.rollout_correction.bypass_mode=true skips: "
             "turn bypass mode off or the mask off"
@@ -370,13 +430,13 @@ def _check_generic_masks(cfg: DictConfig, om: DictConfig) -> None:
 def _check_advantage(cfg: DictConfig, om: DictConfig) -> None:
     eps = float(om.algorithm.adv_eps)
     if eps != GRPO_EPS:
-        raise ValueError(
+        raise InputError(
             f"omgrpo.algorithm.adv_eps must be {GRPO_EPS} on verl, got {eps}: verl's GRPO "
             "estimator fixes its epsilon, and the format-only advantage uses the same"
         )
     norm = OmegaConf.select(cfg, "algorithm.norm_adv_by_std_in_grpo", default=True)
     if om.algorithm.format_only and not norm:
-        raise ValueError(
+        raise InputError(
             "algorithm.norm_adv_by_std_in_grpo=false with omgrpo.algorithm.format_only=true: "
             "the format-only advantage on answer tokens is std-normalised (as in the native "
             "trainer), so the two advantages would use different scales"
@@ -388,10 +448,10 @@ def _check_seed_and_resume(cfg: DictConfig, om: DictConfig) -> None:
     for key in SEED_KEYS:
         value = OmegaConf.select(cfg, key)
         if value != om.seed:
-            raise ValueError(f"{key}={value} but omgrpo.seed={om.seed}: set seed=N (it sets both)")
+            raise InputError(f"{key}={value} but omgrpo.seed={om.seed}: set seed=N (it sets both)")
     folder = str(OmegaConf.select(cfg, "trainer.default_local_dir"))
     if not re.search(rf"__s{om.seed}(?![0-9])", folder):
-        raise ValueError(
+        raise InputError(
             f"trainer.default_local_dir {folder!r} does not name the seed (__s{om.seed}): runs of "
             "different seeds would share it and resume each other's checkpoints; keep "
             "trainer.experiment_name's __s${omgrpo.seed} (experiments/verl/paper.yaml)"
@@ -400,7 +460,7 @@ def _check_seed_and_resume(cfg: DictConfig, om: DictConfig) -> None:
     allowed = _resume_modes(om.run.resume)
     if mode not in allowed:
         fits = [str(k).lower() for k, modes in RESUME_MODES.items() if mode in modes]
-        raise ValueError(
+        raise InputError(
             f"trainer.resume_mode={mode} with omgrpo.run.resume={str(om.run.resume).lower()}: "
             f"use {' or '.join(allowed)} (or set run.resume={' or '.join(fits) or 'true'})"
         )
@@ -409,7 +469,7 @@ def _check_seed_and_resume(cfg: DictConfig, om: DictConfig) -> None:
 def _resume_modes(resume: bool | str) -> tuple[str, ...]:
     """RESUME_MODES[resume], with a clear error for a value that is not auto / true / false."""
     if resume not in RESUME_MODES:
-        raise ValueError(f"omgrpo.run.resume={resume!r}: use auto, true or false")
+        raise InputError(f"omgrpo.run.resume={resume!r}: use auto, true or false")
     return RESUME_MODES[resume]
 
 

@@ -49,15 +49,23 @@ def parse(args: list[str]) -> tuple[str | None, list[str], bool, bool]:
 
 
 def check_verl(cfg: DictConfig) -> None:
-    """verl's own config validation (the checks `verl.trainer.main_ppo.main` runs)."""
+    """verl's own config validation (the checks `verl.trainer.main_ppo.main` runs); a setting it
+    rejects (a ValueError or a failed assertion in verl) is an InputError with verl's words."""
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    validate_config(
-        config=cfg,
-        use_reference_policy=need_reference_policy(cfg),
-        use_critic=need_critic(cfg),
-    )
+    from omgrpo.errors import InputError
+
+    try:
+        validate_config(
+            config=cfg,
+            use_reference_policy=need_reference_policy(cfg),
+            use_critic=need_critic(cfg),
+        )
+    except (ValueError, AssertionError) as e:
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"verl's config check refused it: {e}") from e
 
 
 def check_checkpoint_folder(cfg: DictConfig) -> None:
@@ -107,12 +115,7 @@ def main(args: list[str]) -> int:
         if experiment is None and not want_help:
             raise InputError("name a preset", key="experiment", expected="experiment=<preset>")
         return 0
-    try:
-        cfg = compose_verl(experiment, overrides)
-    except InputError:
-        raise
-    except ValueError as exc:  # a setting compose_verl rejects (its message names it)
-        raise InputError(str(exc)) from exc
+    cfg = compose_verl(experiment, overrides)  # a rejected setting: InputError naming it
     missing = missing_keys(cfg)
     if dry_run:
         print(to_yaml(cfg), end="")

@@ -29,6 +29,7 @@ from omgrpo.backends.verl.launch import check_verl
 from omgrpo.backends.verl.loss import omgrpo_ppo_loss
 from omgrpo.backends.verl.trainer import OmgrpoTrainer, validation_aliases
 from omgrpo.core.answers import Grader
+from omgrpo.errors import InputError
 
 PRESETS = ["paper_llama3p2_3b", "paper_qwen2p5_7b", "paper_qwen3_1p7b"]
 LAUNCH = [
@@ -130,8 +131,27 @@ def test_unsupported_or_bad_values_fail_with_the_key():
         compose_verl("paper_qwen3_1p7b", ["omgrpo.algorithm.kl_coef=0.1"])
     with pytest.raises(ValueError, match=r"trainer\.v1\.trainer_mode"):
         compose_verl("paper_qwen3_1p7b", ["trainer.v1.trainer_mode=sync"])
-    with pytest.raises(FileNotFoundError, match="paper_qwen3_1p7b"):
+    with pytest.raises(InputError, match="paper_qwen3_1p7b"):
         compose_verl("paper_qwen3", [])
+
+
+@pytest.mark.slow
+def test_every_refusal_of_the_section_is_an_input_error():
+    """compose_verl's refusals are InputErrors (a clean exit 2 from `omgrpo train` and `omgrpo
+    plan backend=verl`, which printed a traceback for them): the native ranges of the keys the
+    section shares (named omgrpo.<key>) and the verl keys `validate_config` lets through."""
+    for override, key in [
+        ("seed=-1", "omgrpo.seed (found -1"),
+        ("omgrpo.collapse.patience=0", "omgrpo.collapse.patience (found 0"),
+        ("omgrpo.rollout.n=0", "omgrpo.rollout.n (found 0"),
+        ("omgrpo.run.log_rollouts_every=0", "omgrpo.run.log_rollouts_every (found 0"),
+        ("data.train_batch_size=0", "data.train_batch_size (found 0"),
+        ("actor_rollout_ref.rollout.top_p=1.5", "actor_rollout_ref.rollout.top_p (found 1.5"),
+        ("omgrpo.algorithm.answer_weight=-1", "omgrpo.algorithm.answer_weight must be >= 0"),
+    ]:
+        with pytest.raises(InputError) as caught:
+            compose_verl("paper_qwen3_1p7b", [override])
+        assert key in str(caught.value), override
 
 
 @pytest.mark.parametrize("method", ["prm", "prm_om"])
@@ -172,7 +192,7 @@ def test_the_prm_methods_compose_and_pass_verls_own_checks(method):
         ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", r"loss_mode.*'clip_cov'"),
         ("algorithm.use_kl_in_reward=true", r"use_kl_in_reward must be false.*masking"),
         ("actor_rollout_ref.rollout.n=4", r"actor_rollout_ref\.rollout\.n=4.*omgrpo\.rollout\.n=8"),
-        ("omgrpo.rollout.n=1", r"actor_rollout_ref\.rollout\.n \(G.*at least 2"),
+        ("omgrpo.rollout.n=1", r"omgrpo\.rollout\.n \(found 1; expected an integer >= 2\)"),
         ("omgrpo.algorithm.adv_eps=1e-4", r"omgrpo\.algorithm\.adv_eps must be 1e-06"),
     ],
 )
