@@ -965,6 +965,17 @@ def _runs_setup(
     return setup
 
 
+def _with_file(setup: Callable[[Path], None], name: str, data: bytes):
+    """`setup`, then the file `name` (its folders made) holding `data`."""
+
+    def with_file(root: Path) -> None:
+        setup(root)
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+    return with_file
+
+
 RUNS = [
     (
         "metrics-line-broken",
@@ -1030,12 +1041,24 @@ RUNS = [
     ("config-run-a-list", _runs_setup(config="run: [1]\n"), "runs/r/config.yaml: run (found [1]"),
     ("status-truncated", _runs_setup(status="{"), "runs/r/status.json, line 1, column 2"),
     ("status-a-list", _runs_setup(status="[]"), "runs/r/status.json: not a mapping"),
+    (  # an ArrowInvalid traceback ("a bug") before
+        "rollouts-not-parquet",
+        _with_file(_runs_setup(), "runs/r/rollouts/step_000001.parquet", b"PAR1junk"),
+        "runs/r/rollouts/step_000001.parquet: not a readable Parquet file",
+    ),
+    (
+        "rollouts-empty-file",
+        _with_file(_runs_setup(), "runs/r/rollouts/step_000002.parquet", b""),
+        "runs/r/rollouts/step_000002.parquet: not a readable Parquet file",
+    ),
 ]
 RUN_ARGS = [
     ("no-such-source", ["nothere"], "nothere: no such file or directory"),
-    ("source-a-file", ["afile"], "afile is not a directory"),
+    ("source-a-file", ["afile"], "afile: not a directory"),
     ("no-run-in-source", ["empty"], "empty: no run found"),
     ("out-a-file", ["runs", "--out", "afile"], "afile: --out: not a folder"),
+    ("folder-not-a-run", ["out", "--out", "o2"], "out: no run found"),  # a report folder
+    ("second-source-missing", ["runs", "nothere"], "nothere: no such file or directory"),
 ]
 
 
@@ -1066,6 +1089,36 @@ def test_report_refuses_a_config_that_does_not_fit_the_schema(tmp_path, capsys, 
         _runs_setup(config=config),
     )
     assert "runs/r/config.yaml: seed: does not fit omgrpo's config" in err
+
+
+FIGURES_SOURCES = [
+    (
+        "wandb-offline",  # a RuntimeError from omgrpo.analysis.load before
+        ["--wandb-project", "someone/omgrpo"],
+        "--wandb-project: loading the W&B project 'someone/omgrpo' needs the online W&B API",
+    ),
+    (
+        "mlflow-uri-unsupported",  # an MLflow exception's traceback before
+        ["--mlflow-experiment", "toy", "--mlflow-uri", "nonsense://x"],
+        "--mlflow-uri: MLflow cannot read it",
+    ),
+    (
+        "mlflow-db-missing",
+        ["--mlflow-experiment", "toy", "--mlflow-uri", "sqlite:///nope.db"],
+        "MLflow database nope.db not found",
+    ),
+    ("runs-and-wandb-offline", ["runs", "--wandb-project", "p"], "--wandb-project"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"), [r[1:] for r in FIGURES_SOURCES], ids=[r[0] for r in FIGURES_SOURCES]
+)
+def test_figures_refuse_a_tracker_source_it_cannot_read(tmp_path, capsys, monkeypatch, args, names):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    err = refuse(["figures", *args, "--out", "out"], tmp_path, capsys, monkeypatch, _runs_setup())
+    assert names in err
 
 
 def test_figures_refuse_no_runs_and_an_unknown_figure(tmp_path, capsys, monkeypatch):

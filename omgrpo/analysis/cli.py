@@ -68,17 +68,12 @@ def figures_main(argv: list[str]) -> int:
         raise InputError("give run directories (or --mlflow-experiment / --wandb-project)")
     out = Path(ns.out)
     check_out_dir(out)
-    try:
-        df = load_runs(
-            *ns.runs,
-            mlflow_experiment=ns.mlflow_experiment,
-            mlflow_uri=ns.mlflow_uri,
-            wandb_project=ns.wandb_project,
-        )
-    except RuntimeError as e:  # the W&B project cannot be read (no package, offline, API)
-        if not ns.wandb_project:
-            raise
-        raise InputError(str(e), key="--wandb-project", found=ns.wandb_project) from e
+    df = load_runs(  # a source that cannot be read (a W&B project offline, ...): InputError
+        *ns.runs,
+        mlflow_experiment=ns.mlflow_experiment,
+        mlflow_uri=ns.mlflow_uri,
+        wandb_project=ns.wandb_project,
+    )
     check_metric_values(df)
     rollouts = load_rollouts(ns.runs) if ns.runs else None
     n_runs = len(find_run_dirs(*ns.runs)) if ns.runs else df["run"].nunique()

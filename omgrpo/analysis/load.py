@@ -29,6 +29,7 @@ import pandas as pd
 import yaml
 
 from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS, CollapseDetector
+from omgrpo.errors import InputError, MissingDependency
 from omgrpo.tracking import (
     RUN_DIR_TAG,
     RUN_UUID_TAG,
@@ -90,8 +91,9 @@ _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
 
 
-class NoRunsError(FileNotFoundError):
-    """A source (folder, MLflow experiment, W&B project) holds no run."""
+class NoRunsError(InputError, FileNotFoundError):
+    """A source (folder, MLflow experiment, W&B project) that is missing or holds no run: bad
+    input (exit 2, named), and still a FileNotFoundError for callers that catch one."""
 
 
 # -- discovering run directories ---------------------------------------------------------------
@@ -106,22 +108,25 @@ _SKIP_DIRS = {"checkpoints", "rollouts", "wandb", ".hydra", "mlruns", "mlartifac
 def find_run_dirs(*sources: str | Path) -> list[Path]:
     """Run directories in `sources`: each a run directory or a folder searched recursively
     (run directories are not searched inside). Sorted, without duplicates. Raises
-    `FileNotFoundError` for a missing path and `NoRunsError` for a source without any run."""
+    `NoRunsError` (an InputError naming the path) for a missing path, a file, or a source
+    without any run."""
     found: list[Path] = []
     for source in sources:
         path = Path(source).expanduser()
         if not path.exists():
-            raise FileNotFoundError(f"{path}: no such file or directory")
+            raise NoRunsError("no such file or directory", file=path)
         if not path.is_dir():
             raise NoRunsError(
-                f"{path} is not a directory: pass a run directory (with config.yaml and "
-                "metrics.jsonl) or a folder of run directories"
+                "not a directory: pass a run directory (with config.yaml and metrics.jsonl) "
+                "or a folder of run directories",
+                file=path,
             )
         runs = [path] if is_run_dir(path) else _walk_runs(path)
         if not runs:
             raise NoRunsError(
-                f"{path}: no run found (a run directory holds config.yaml and metrics.jsonl; "
-                "create runs with `omgrpo train run.root=...`)"
+                "no run found (a run directory holds config.yaml and metrics.jsonl; create "
+                "runs with `omgrpo train run.root=...`)",
+                file=path,
             )
         found += runs
     out: list[Path] = []
@@ -162,7 +167,7 @@ def load_runs(
     Columns: see the module docstring; rows sorted by run and step.
     """
     if not sources and mlflow_experiment is None and wandb_project is None:
-        raise ValueError("load_runs needs run directories, an MLflow experiment or a W&B project")
+        raise InputError("load_runs needs run directories, an MLflow experiment or a W&B project")
     frames = [_store_frame(run_dir) for run_dir in find_run_dirs(*sources)] if sources else []
     if mlflow_experiment is not None:
         frames += _mlflow_frames(mlflow_experiment, mlflow_uri)
@@ -179,7 +184,8 @@ def load_rollouts(run_dirs: str | Path | Iterable[str | Path]) -> pd.DataFrame:
         run_dirs = [run_dirs]
     frames = []
     for run_dir in find_run_dirs(*run_dirs):
-        table = RunStore(run_dir).read_rollouts()
+        tables = [_read_parquet(f) for _, f in RunStore(run_dir).rollout_files()]
+        table = pd.concat(tables, ignore_index=True) if tables else pd.DataFrame()
         if table.empty:
             continue
         ident = _identity(_read_config(run_dir), run_dir)
@@ -189,6 +195,18 @@ def load_rollouts(run_dirs: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=["run", "experiment", "variant", "method", "seed", "step"])
     return pd.concat(frames, ignore_index=True)
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    """A run's Parquet table; one that cannot be read (truncated, not Parquet) is an InputError
+    naming it (pyarrow's own error names no file)."""
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:  # pyarrow.ArrowInvalid, OSError, ...: a damaged file
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise InputError(
+            f"not a readable Parquet file ({type(e).__name__}: {first})", file=path
+        ) from e
 
 
 def metric_columns(df: pd.DataFrame) -> list[str]:
@@ -378,14 +396,26 @@ def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or default_mlflow_uri(Path("runs"))
     db = sqlite_db_path(uri)
     if db is not None and not db.is_file():
-        raise FileNotFoundError(f"MLflow database {db} not found (from --mlflow-uri {uri})")
-    client = mlflow_client(uri)
-    exp = client.get_experiment_by_name(experiment)
+        raise NoRunsError(f"MLflow database {db} not found (from --mlflow-uri {uri})")
+    try:
+        client = mlflow_client(uri)
+        exp = client.get_experiment_by_name(experiment)
+        names = sorted(e.name for e in client.search_experiments()) if exp is None else []
+        if exp is not None:
+            with _tracking_uri(uri) as mlflow:
+                runs = mlflow.search_runs(
+                    experiment_ids=[exp.experiment_id], output_format="pandas"
+                )
+    except Exception as e:  # the store refused: a bad URI, a server that is down
+        if not type(e).__module__.startswith(("mlflow", "sqlalchemy", "requests")):
+            raise
+        raise InputError(
+            f"MLflow cannot read it ({type(e).__name__}: {str(e).splitlines()[0][:300]})",
+            key="--mlflow-uri",
+            found=uri,
+        ) from e
     if exp is None:
-        names = sorted(e.name for e in client.search_experiments())
         raise NoRunsError(f"MLflow experiment {experiment!r} not found in {uri}; it has: {names}")
-    with _tracking_uri(uri) as mlflow:
-        runs = mlflow.search_runs(experiment_ids=[exp.experiment_id], output_format="pandas")
     if runs.empty:
         raise NoRunsError(f"MLflow experiment {experiment!r} in {uri} has no run")
     frames = []
@@ -448,20 +478,28 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
     try:
         import wandb
     except ImportError as e:
-        raise RuntimeError("loading a W&B project needs the `wandb` package") from e
+        raise MissingDependency(
+            "loading a W&B project needs the `wandb` package (pip install wandb)",
+            key="--wandb-project",
+            found=project,
+        ) from e
     mode = resolve_wandb_mode(None)
     if mode != "online":
-        raise RuntimeError(
+        raise InputError(
             f"loading the W&B project {project!r} needs the online W&B API, but W&B is "
             f"{mode!r} here (no API key, or WANDB_MODE={os.environ.get('WANDB_MODE')!r}). "
             "Run `wandb login` or set WANDB_API_KEY; offline runs are in the local run store: "
-            "load_runs('runs/') (or upload them with `omgrpo sync RUN --to wandb`)."
+            "load_runs('runs/') (or upload them with `omgrpo sync RUN --to wandb`)",
+            key="--wandb-project",
         )
     try:
         api = wandb.Api(timeout=60)
         runs = list(api.runs(project))
-    except Exception as e:
-        raise RuntimeError(f"cannot read the W&B project {project!r}: {e}") from e
+    except Exception as e:  # no such project, no network, a refused key
+        raise InputError(
+            f"cannot read the W&B project {project!r} ({type(e).__name__}: {e})",
+            key="--wandb-project",
+        ) from e
     if not runs:
         raise NoRunsError(f"W&B project {project!r} has no run")
     frames = []

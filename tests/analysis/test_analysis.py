@@ -465,8 +465,11 @@ def test_load_runs_from_mlflow(tmp_path, monkeypatch):
 
 def test_load_runs_from_wandb_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    with pytest.raises(RuntimeError, match="online W&B API"):
+    from omgrpo.errors import InputError
+
+    with pytest.raises(InputError, match="online W&B API") as caught:
         load_runs(wandb_project="someone/omgrpo")
+    assert caught.value.key == "--wandb-project" and "'someone/omgrpo'" in str(caught.value)
 
 
 def test_unsanitize_metric_name():
