@@ -346,7 +346,8 @@ class AlgorithmConfig:
     overlong_buffer: int | None = None
     """DAPO's soft overlong punishment: a reward penalty falling linearly from 0 to
     -overlong_penalty_factor over the last `overlong_buffer` tokens before the length limit
-    (native only). null: off."""
+    (native `rollout.max_new_tokens`, verl `actor_rollout_ref.rollout.response_length`). null:
+    off."""
     overlong_penalty_factor: float | None = None
     """The soft overlong punishment's largest penalty (>= 0); null = 1.0 (DAPO's)."""
     kl_coef: float = 0.005

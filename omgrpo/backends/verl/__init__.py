@@ -16,7 +16,9 @@ pieces, one module each:
 | advantage   | per-token advantages: w on answer tokens (or the format advantage), 0 on the   |
 |             | tokens of the generic masks (`omgrpo.core.masks`)                              |
 | loss        | replacement of verl's `ppo_loss`: the KL term weighted by w on answer tokens   |
-|             | (and 0 on the generic masks' tokens)                                           |
+|             | (and 0 on the generic masks' tokens); the DAPO options' kept rows              |
+| dapo        | the DAPO options (`omgrpo.core.dapo`): overlong penalty in the rewards before  |
+|             | verl's GRPO step, the rows the loss keeps in verl's `loss_mask`                |
 | record      | `RolloutRecord`: the typed record each rollout carries from agent loop to metrics |
 | metrics     | the step's `StepBatch` from the rollouts' records -> `omgrpo.core.step.step_metrics` |
 | trainer     | the `omgrpo` V1 trainer (sync mode) wiring the above                           |
@@ -53,6 +55,10 @@ def span_mask_key(span: str) -> str:
 FORMAT_SCORE_KEY = "omgrpo_format"
 """Per-rollout field (float32): the format reward, for the format-only advantage."""
 
+TRUNCATED_KEY = "omgrpo_truncated"
+"""Per-rollout field (int64, 0/1) set by the agent loop with `algorithm.overlong_filter` on: 1
+when the response was cut by the length limit (`omgrpo.core.dapo.truncated_rows`)."""
+
 RECORD_KEY = "omgrpo"
 """Key in a rollout's `extra_fields` holding what the driver's diagnostics need."""
 
@@ -62,6 +68,7 @@ __all__ = [
     "RECORD_KEY",
     "SPAN_MASK_PREFIX",
     "TOKEN_MASK_KEY",
+    "TRUNCATED_KEY",
     "VERL_VERSION",
     "span_mask_key",
 ]

@@ -27,10 +27,16 @@ from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, TOKEN_MASK_K
 from omgrpo.core.losses import answer_token_advantages, group_advantages
 from omgrpo.core.masks import mask_metrics, mask_spans, masked_tokens, token_mask
 
-__all__ = ["apply_answer_weighting", "generic_masks", "weight_advantages", "weight_jagged"]
+__all__ = [
+    "apply_answer_weighting",
+    "generic_masks",
+    "uid_group_ids",
+    "weight_advantages",
+    "weight_jagged",
+]
 
 
-def _uid_group_ids(uids: Sequence[object]) -> torch.Tensor:
+def uid_group_ids(uids: Sequence[object]) -> torch.Tensor:
     """(B,) int64 group id per rollout from verl's per-prompt `uid` strings."""
     _, inverse = np.unique(np.asarray([str(u) for u in uids], dtype=object), return_inverse=True)
     return torch.as_tensor(inverse, dtype=torch.int64)
@@ -103,7 +109,7 @@ def apply_answer_weighting(
     if format_only:
         if FORMAT_SCORE_KEY not in batch:
             raise KeyError(f"format_only needs the per-rollout '{FORMAT_SCORE_KEY}' field")
-        groups = _uid_group_ids(data.non_tensor_batch["uid"])
+        groups = uid_group_ids(data.non_tensor_batch["uid"])
         fmt = batch[FORMAT_SCORE_KEY].reshape(-1).to(torch.float32)
         format_adv = group_advantages(fmt, groups, eps)
     if token_mask is not None:

@@ -17,7 +17,9 @@ lets each session finish generating, waits until the prompt's G sessions are the
    rollout to verl's own post-processing with two extra fields, `omgrpo_answer_mask` and
    `omgrpo_format`, which verl stores in TransferQueue next to `response_mask` (with a generic
    mask, `omgrpo.core.masks`, also `omgrpo_span_<span>`: the token masks of the spans it reads;
-   the driver draws the mask step-wide, `omgrpo.backends.verl.advantage.generic_masks`).
+   the driver draws the mask step-wide, `omgrpo.backends.verl.advantage.generic_masks`; with
+   `algorithm.overlong_filter`, `omgrpo_truncated`: whether the response was cut by the length
+   limit, `truncated`).
 
 If a session fails, the others of its prompt stop waiting and fail too, so verl's replay buffer
 sees one failed group (as without the plugin). Validation rollouts take verl's path unchanged
@@ -41,7 +43,13 @@ import ray
 import torch
 from verl.trainer.ppo.v1 import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
-from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY, span_mask_key
+from omgrpo.backends.verl import (
+    ANSWER_MASK_KEY,
+    FORMAT_SCORE_KEY,
+    RECORD_KEY,
+    TRUNCATED_KEY,
+    span_mask_key,
+)
 from omgrpo.backends.verl.config import section
 from omgrpo.backends.verl.prm import PRM_SERVER_NAME, PrmClient, question_of, start_prm_server
 from omgrpo.backends.verl.record import CarRecord, RolloutRecord
@@ -55,9 +63,11 @@ from omgrpo.core.car import (
     enumerate_pairs,
     read_pair_answer,
 )
+from omgrpo.core.dapo import truncated_rows
 from omgrpo.core.process import ProcessScorer
 from omgrpo.core.rewards import format_score
 from omgrpo.core.step import StepBatch, score_step
+from omgrpo.generation.engine import stop_token_ids
 from omgrpo.tasks import Problem
 
 __all__ = ["OmgrpoAgentLoopManager", "OmgrpoAgentLoopWorker", "car_prompt_ids"]
@@ -327,6 +337,7 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
             score_group, self.tokenizer, ids, mask, problem, om, car, process
         )
         records = rollout_records(batch, timeouts, car, span)
+        cut = self.truncated(ids, mask) if om.algorithm.get("overlong_filter") else None
         for k, (session, output, record) in enumerate(zip(sessions, outputs, records)):
             output.reward_score = float(batch.rewards[k])
             output.extra_fields["reward_extra_info"] = {
@@ -347,6 +358,17 @@ class OmgrpoAgentLoopWorker(_WorkerBase):
                     for span, mask in batch.responses.span_masks.items()
                 },
             }
+            if cut is not None:  # the overlong filter's rollouts (the driver drops them)
+                group.fields[session][TRUNCATED_KEY] = cut[k].long()
+
+    def truncated(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(G,) bool: the group's responses (`ids`, `mask`: (G, T) right-padded) cut by the
+        length limit, `actor_rollout_ref.rollout.response_length` tokens without one of the
+        model's stop tokens at the end (`omgrpo.core.dapo.truncated_rows`; the stop tokens as the
+        native trainer's, `stop_token_ids`: the tokenizer's eos, the generation config's and the
+        chat template's end of turn)."""
+        limit = int(self.rollout_config.response_length)
+        return truncated_rows(ids, mask, limit, stop_token_ids(self.tokenizer, self.model_config))
 
 
 def rollout_records(

@@ -253,7 +253,7 @@ def validate_section(cfg: DictConfig) -> None:
     _check_group_size(cfg, om)
     _check_masking(cfg)
     _check_generic_masks(cfg, om)
-    _check_dapo(om)
+    _check_dapo(cfg, om)
     _check_advantage(cfg, om)
     _check_seed_and_resume(cfg, om)
     mode = OmegaConf.select(cfg, "trainer.v1.trainer_mode")
@@ -391,25 +391,35 @@ def _check_masking(cfg: DictConfig) -> None:
         )
 
 
-NATIVE_ONLY_DAPO: dict[str, str] = {
-    "dynamic_sampling": "verl 0.9.1's own algorithm.filter_groups (evict and refill) is "
-    "untested with the omgrpo trainer",
-    "overlong_filter": "verl 0.9.1 has no overlong filter",
-    "overlong_buffer": "verl 0.9.1 ships no overlong buffer (only its DAPO recipe's reward "
-    "manager has one)",
-    "overlong_penalty_factor": "it belongs to overlong_buffer",
-}
-"""The DAPO-family keys the verl backend does not run yet, and why (docs/configuration.md)."""
+DAPO_ROW_ENGINES: tuple[str, ...] = ("fsdp", "fsdp2")
+"""The actor strategies dynamic sampling and the overlong filter run on: their engine reads
+`loss_mask` only to count the loss's tokens (`omgrpo.backends.verl.dapo`); Megatron's also
+masks its logits processing with it."""
 
 
-def _check_dapo(om: DictConfig) -> None:
-    """The DAPO options of the native trainer only: refused, not silently ignored."""
-    for key, why in NATIVE_ONLY_DAPO.items():
-        value = om.algorithm.get(key)
-        if value is not None and value is not False:
+def _check_dapo(cfg: DictConfig, om: DictConfig) -> None:
+    """The DAPO options that need the step's rows (`omgrpo.backends.verl.dapo`; the values
+    themselves are checked as the native trainer's): the overlong buffer fits in verl's length
+    limit, and the options that drop rollouts from the loss need an FSDP actor."""
+    algo = om.algorithm
+    buffer = algo.get("overlong_buffer")
+    limit = OmegaConf.select(cfg, "actor_rollout_ref.rollout.response_length")
+    if buffer is not None and limit is not None and buffer > limit:
+        raise InputError(
+            "the penalty ramps over the last overlong_buffer tokens before verl's length limit",
+            key="omgrpo.algorithm.overlong_buffer",
+            found=buffer,
+            expected=f"at most actor_rollout_ref.rollout.response_length ({limit})",
+        )
+    strategy = OmegaConf.select(cfg, "actor_rollout_ref.actor.strategy")
+    for key in ("dynamic_sampling", "overlong_filter"):
+        if algo.get(key) and strategy not in DAPO_ROW_ENGINES:
             raise InputError(
-                f"omgrpo.algorithm.{key}={value} is native-only for now ({why}); "
-                "use the native trainer or leave it null"
+                f"true needs an FSDP actor, but actor_rollout_ref.actor.strategy is "
+                f"{strategy!r}: the kept rollouts reach the loss through verl's loss_mask, which "
+                "the FSDP engines use only to count the loss's tokens (Megatron's also masks with it)",
+                key=f"omgrpo.algorithm.{key}",
+                expected=f"actor_rollout_ref.actor.strategy {' or '.join(DAPO_ROW_ENGINES)}",
             )
 
 

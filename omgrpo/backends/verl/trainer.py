@@ -10,6 +10,9 @@ Registered with `@register_trainer("omgrpo")` (selected by `trainer.v1.trainer_m
 - weights the advantages on answer tokens right after verl's GRPO step (`_compute_advantage`),
   and draws the generic masks (`omgrpo.core.masks`: advantage 0, and KL weight 0 in the loss,
   on their tokens; `mask/frac`, `mask/answer_overlap`);
+- runs the DAPO options that need the step's rows (`omgrpo.backends.verl.dapo`) right before
+  verl's GRPO step: the overlong penalty in the rewards, the rows dynamic sampling and the
+  overlong filter keep in the loss (`dapo/*`);
 - logs omgrpo's metrics: `kl/answer`, `kl/reasoning`, `answer/frac` (from the loss),
   `entropy/answer`, `entropy/reasoning` (from the loss when the actor computes entropy in the
   update, else from the entropy verl stores in the old-log-prob pass), `reward/*`,
@@ -50,12 +53,14 @@ from verl.utils.tracking import Tracking
 from omgrpo.backends.verl import ANSWER_MASK_KEY, FORMAT_SCORE_KEY, RECORD_KEY, span_mask_key
 from omgrpo.backends.verl.advantage import generic_masks, weight_jagged
 from omgrpo.backends.verl.config import section, validate_section
+from omgrpo.backends.verl.dapo import dapo_fields, dapo_read_fields, drops_rows
 from omgrpo.backends.verl.loss import loss_metric_means, omgrpo_ppo_loss
 from omgrpo.backends.verl.metrics import records_step, records_texts, validation_problems
 from omgrpo.backends.verl.record import RolloutRecord
 from omgrpo.backends.verl.run_store import BACKEND_NAME, RunStoreBackend, run_dir, store_config
 from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import Grader
+from omgrpo.core.dapo import dapo_on
 from omgrpo.core.diagnostics import CollapseDetector
 from omgrpo.core.losses import token_means, token_roles, token_stats
 from omgrpo.core.masks import mask_spans
@@ -182,7 +187,10 @@ class OmgrpoTrainer(PPOTrainerSync):
         algo = self.omgrpo.algorithm
         kl_weight = algo.answer_weight if algo.answer_kl_weight is None else algo.answer_kl_weight
         # the PG weight w is applied to the advantages; the loss weights the KL term only
-        return partial(omgrpo_ppo_loss, config=actor_config, answer_weight=float(kl_weight))
+        extra = {"dapo_rows": True} if drops_rows(algo) else {}
+        return partial(
+            omgrpo_ppo_loss, config=actor_config, answer_weight=float(kl_weight), **extra
+        )
 
     def on_init_end(self) -> None:
         self.actor_rollout_wg.set_loss_fn(self.make_loss_fn())
@@ -195,7 +203,27 @@ class OmgrpoTrainer(PPOTrainerSync):
         corr = self.config.algorithm.get("rollout_correction", None)
         return not (corr and corr.get("bypass_mode", False))
 
+    def _dapo(self, batch: KVBatchMeta, metrics: dict) -> None:
+        """The DAPO options on the step's stored rows, before verl's GRPO step reads their
+        rewards (`omgrpo.backends.verl.dapo.dapo_fields`)."""
+        algo = self.omgrpo.algorithm
+        data = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=dapo_read_fields(algo)
+        )
+        real = [not tag.get("is_padding", False) for tag in batch.tags]
+        fields, dapo_metrics = dapo_fields(
+            data,
+            real,
+            algo,
+            int(self.config.actor_rollout_ref.rollout.response_length),
+            str(self.config.actor_rollout_ref.actor.loss_agg_mode),
+        )
+        metrics.update(dapo_metrics)
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=fields)
+
     def _compute_advantage(self, batch: KVBatchMeta, metrics: dict) -> KVBatchMeta:
+        if dapo_on(self.omgrpo.algorithm):
+            self._dapo(batch, metrics)
         batch = super()._compute_advantage(batch, metrics)
         algo = self.omgrpo.algorithm
         fields = ["uid", "response_mask", "advantages", ANSWER_MASK_KEY]
