@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import lzma
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -478,6 +479,31 @@ def _two_seeds(text=None, entry=None):
     return setup
 
 
+def _entry(avg=0.5, pass_=0.8, ci_avg=(0.4, 0.6)) -> dict:
+    """A benchmark entry of a summary, k = 4, with these avg@4, pass@4 and avg@4's interval."""
+    return {
+        "k": 4,
+        "metrics": {"avg@4": avg, "pass@4": pass_},
+        "ci95": {"avg@4": ci_avg, "pass@4": [0.7, 0.9]},
+    }
+
+
+# avg@k, pass@k and their intervals are fractions: out of [0, 1] they were averaged into the
+# tables as numbers (a seed's avg@4 of 1e308 made the method's mean 5e307)
+BAD_EVAL_FRACTIONS = [
+    ("avg-1e308", {"avg": 1e308}, "benchmarks.toy_test.metrics.avg@4 (found 1e+308; expected "
+     "a fraction in [0, 1])"),
+    ("avg-negative", {"avg": -0.5}, "s1/eval/toy/summary.json: benchmarks.toy_test.metrics.avg@4"),
+    ("avg-nan", {"avg": float("nan")}, "benchmarks.toy_test.metrics.avg@4 (found nan"),
+    ("avg-null", {"avg": None}, "benchmarks.toy_test.metrics.avg@4 (found None"),
+    ("avg-text", {"avg": "0.5"}, "benchmarks.toy_test.metrics.avg@4 (found '0.5'"),
+    ("pass-above-one", {"pass_": 1.5}, "benchmarks.toy_test.metrics.pass@4 (found 1.5"),
+    ("pass-infinity", {"pass_": float("inf")}, "benchmarks.toy_test.metrics.pass@4 (found inf"),
+    ("ci-a-number", {"ci_avg": 0.5}, "benchmarks.toy_test.ci95.avg@4 (found 0.5"),
+    ("ci-three-bounds", {"ci_avg": [0, 0.5, 1]}, "benchmarks.toy_test.ci95.avg@4 (found [0, 0.5, 1]"),
+    ("ci-bound-1e308", {"ci_avg": [0.4, 1e308]}, "benchmarks.toy_test.ci95.avg@4 (found 1e+308"),
+]  # fmt: skip
+
 TABLES = [
     (
         "truncated-summary",
@@ -515,6 +541,10 @@ TABLES = [
         ["other.json"],
         _two_seeds(),
         "other.json: not an `omgrpo eval` summary",
+    ),
+    *(
+        (f"{name}", ["runs"], _two_seeds(entry=_entry(**change)), names)
+        for name, change, names in BAD_EVAL_FRACTIONS
     ),
     ("no-such-source", ["nothere"], _two_seeds(), "nothere"),
     (
@@ -965,6 +995,42 @@ def _runs_setup(
     return setup
 
 
+def _bad_value(key: str, text: str) -> str:
+    """GOOD_METRICS with `key` logged as `text` (raw JSON: NaN, 1e308, ...) at step 2."""
+    rows = GOOD_METRICS.splitlines()
+    row = json.loads(rows[1])
+    row.pop(key, None)
+    rows[1] = json.dumps(row)[:-1] + f', "{key}": {text}}}'
+    return "\n".join(rows) + "\n"
+
+
+# (row id, metric, its value as JSON, what the refusal must say): accuracies, shares and rates
+# are fractions by definition (docs/metrics.md's unit "fraction"); an accuracy is never nan
+BAD_FRACTIONS = [
+    ("acc-1e308", "val/acc", "1e308", "runs/r/metrics.jsonl: val/acc: step 2 (found 1e+308; "
+     "expected a fraction in [0, 1], never nan (an accuracy))"),
+    ("acc-negative", "val/acc", "-0.5", "runs/r/metrics.jsonl: val/acc: step 2 (found -0.5"),
+    ("acc-nan", "val/acc", "NaN", "runs/r/metrics.jsonl: val/acc: step 2 (found nan"),
+    ("acc-null", "val/acc", "null", "val/acc: step 2 (found None"),
+    ("acc-infinity", "val/acc", "Infinity", "val/acc: step 2 (found inf"),
+    ("acc-percent", "val/acc", "50", "val/acc: step 2 (found 50;"),
+    ("acc-huge-integer", "val/acc", "1" + "0" * 40, "val/acc: step 2 (found 1000000000"),
+    ("acc-true", "val/acc", "true", "val/acc: step 2 (found True"),
+    ("acc-by-difficulty-nan", "val/acc_hard", "NaN", "val/acc_hard: step 2 (found nan"),
+    ("pass-at-k-above-one", "val/pass@4", "1.5", "val/pass@4: step 2 (found 1.5"),
+    ("legacy-pass-at-k", "val/pass@k", "-1", "val/pass@k: step 2 (found -1"),
+    ("train-acc-above-one", "acc/train", "2", "acc/train: step 2 (found 2;"),
+    ("share-above-one", "answers/batch_mode_share", "1.25", "batch_mode_share: step 2 (found 1.25"),
+    ("rate-negative", "answers/extract_rate", "-0.1", "answers/extract_rate: step 2 (found -0.1"),
+    ("rate-infinity", "answers/label_flip_rate", "-Infinity", "label_flip_rate: step 2 (found -inf"),
+    ("share-text", "answers/top_vote_acc", '"0.5"', "answers/top_vote_acc: step 2 (found '0.5'"),
+    ("guess-kind-share", "answers/guess_prior_hard", "3", "guess_prior_hard: step 2 (found 3;"),
+    ("car-share", "car/position_bias", "-2", "car/position_bias: step 2 (found -2;"),
+    ("mask-share", "mask/frac", "1.5", "mask/frac: step 2 (found 1.5"),
+    ("recovery-share", "recovery/cum_pass", "7", "recovery/cum_pass: step 2 (found 7;"),
+]  # fmt: skip
+
+
 def _with_file(setup: Callable[[Path], None], name: str, data: bytes):
     """`setup`, then the file `name` (its folders made) holding `data`."""
 
@@ -1041,6 +1107,15 @@ RUNS = [
     ("config-run-a-list", _runs_setup(config="run: [1]\n"), "runs/r/config.yaml: run (found [1]"),
     ("status-truncated", _runs_setup(status="{"), "runs/r/status.json, line 1, column 2"),
     ("status-a-list", _runs_setup(status="[]"), "runs/r/status.json: not a mapping"),
+    *(  # logged fractions out of [0, 1]: they went into the tables and figures as numbers
+        (f"fraction-{name}", _runs_setup(_bad_value(key, text)), found)
+        for name, key, text, found in BAD_FRACTIONS
+    ),
+    (
+        "fraction-in-compact-metrics",  # metrics.jsonl.xz: the same check, naming that file
+        _runs_setup(xz=lzma.compress(_bad_value("val/acc", "1e308").encode())),
+        "runs/r/metrics.jsonl.xz: val/acc: step 2 (found 1e+308; expected a fraction in [0, 1]",
+    ),
     (  # an ArrowInvalid traceback ("a bug") before
         "rollouts-not-parquet",
         _with_file(_runs_setup(), "runs/r/rollouts/step_000001.parquet", b"PAR1junk"),
@@ -1170,6 +1245,26 @@ STUDY_RUN = [
     ("seconds-negative", ["runs", "--seconds", "-5"], "--seconds"),
     ("no-runs-there", ["empty"], "empty"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("key", "text", "names"),
+    [r[1:] for r in BAD_FRACTIONS],
+    ids=[r[0] for r in BAD_FRACTIONS],
+)
+def test_study_report_refuses_a_fraction_out_of_range(
+    tmp_path, capsys, monkeypatch, key, text, names
+):
+    """The runs a study reads go through the same check as report's and figures'
+    (`omgrpo.analysis.load.check_fractions`): a val/acc of 1e308 went into its verdicts."""
+
+    def setup(root: Path) -> None:
+        _runs_setup(_bad_value(key, text))(root)
+        (root / "pre.md").write_text(GOOD_PREREG)
+
+    argv = ["study-report", "runs", "--prereg", "pre.md", "--out", "st"]
+    err = refuse(argv, tmp_path, capsys, monkeypatch, setup)
+    assert names in err and not (tmp_path / "st").exists()
 
 
 @pytest.mark.parametrize(

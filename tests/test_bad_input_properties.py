@@ -204,12 +204,93 @@ def test_a_preregistration_reads_or_is_refused_by_name(text):
     _read_prereg(text)
 
 
+# -- a checkpoint's manifest.json (export, eval, resume) and an export's checksums (eval) ----------
+DIGEST = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of b""
+GOOD_MANIFEST = json.dumps({"step": 1, "sha256": {"state.pt": DIGEST}})
+NAMES = st.one_of(
+    st.sampled_from(["state.pt", "", ".", "..", "../state.pt", "/x", "a/b"]), st.text(max_size=8)
+)
+
+
+def _verify(text: str) -> None:
+    """verify_checkpoint on a checkpoint (an empty state.pt) with this manifest, and
+    verify_export on a model directory whose omgrpo_export.json lists the same checksums."""
+    from omgrpo.backends.native.checkpoint import verify_checkpoint
+    from omgrpo.backends.native.export import verify_export
+
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        (folder / "state.pt").write_bytes(b"")
+        (folder / "manifest.json").write_text(text, encoding="utf-8", errors="surrogatepass")
+        with contextlib.suppress(InputError):
+            verify_checkpoint(folder)
+        try:
+            sums = json.loads(text)["sha256"]
+        except (ValueError, TypeError, KeyError, IndexError):
+            return
+        (folder / "omgrpo_export.json").write_text(json.dumps({"sha256": sums}))
+        with contextlib.suppress(InputError):
+            verify_export(folder)
+
+
+@settings(max_examples=60)
+@given(
+    st.one_of(
+        st.dictionaries(NAMES, st.one_of(st.just(DIGEST), VALUES), max_size=3).map(
+            lambda d: json.dumps({"sha256": d}, allow_nan=True)
+        ),
+        VALUES.map(lambda v: json.dumps({"sha256": v}, allow_nan=True)),
+        VALUES.map(lambda v: json.dumps(v, allow_nan=True)),
+        _mutations(GOOD_MANIFEST),
+    )
+)
+def test_a_manifest_is_verified_or_refused_by_name(text):
+    _verify(text)
+
+
+# -- a run's metrics (report, figures, study-report) ----------------------------------------------
+METRIC_NAMES = st.sampled_from(
+    ["val/acc", "val/acc_hard", "val/pass@4", "acc/train", "answers/label_flip_rate",
+     "answers/batch_mode", "loss/pg", "kl/answer", "nope/x"]
+)  # fmt: skip
+
+
+def _load_metrics(text: str) -> None:
+    from omgrpo.analysis.load import load_runs
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder) / "r"
+        run.mkdir()
+        (run / "config.yaml").write_text("run: {name: r}\n")
+        (run / "metrics.jsonl").write_text(text, encoding="utf-8", errors="surrogatepass")
+        with contextlib.suppress(InputError):
+            load_runs(run)
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(st.dictionaries(METRIC_NAMES, VALUES, max_size=4), min_size=1, max_size=3).map(
+        lambda rows: "".join(
+            json.dumps({"train/step": i, **r}, allow_nan=True) + "\n" for i, r in enumerate(rows)
+        )
+    )
+)
+def test_logged_metrics_load_or_are_refused_by_name(text):
+    _load_metrics(text)
+
+
 def test_the_strategies_reach_the_files_that_load():
     """The valid starting points load: the tests above exercise refusals and successes."""
     _load_suite_text(GOOD_SUITE)
     _plan(json.dumps(GOOD_MODEL))
     assert not math.isnan(len(_committed_prereg()))
     _read_prereg(_committed_prereg())
+    from omgrpo.backends.native.checkpoint import verify_checkpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "state.pt").write_bytes(b"")
+        (Path(folder) / "manifest.json").write_text(GOOD_MANIFEST)
+        verify_checkpoint(folder)  # the good manifest passes
 
 
 @pytest.mark.parametrize("key", ["predictions", "event_predictions"])

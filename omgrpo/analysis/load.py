@@ -16,8 +16,10 @@ their JSON text, so that every column can be grouped on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
+import numbers
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -88,6 +90,90 @@ LEGACY_TOP_VOTE_WITHOUT_CAR = "car/top_vote_acc_without_car"
 pool's as `answers/top_vote_acc` (`_top_vote_names`)."""
 
 _UNSANITIZE = {sanitize_metric_name(name): name for name in KNOWN_METRICS}
+
+# Metrics that are fractions by definition: the rows of docs/metrics.md whose unit is
+# "fraction" (accuracies, shares, rates), as the docs spell them (`<d>` a difficulty, `<kind>`
+# a guess kind, `<k>` the k of pass@k); tests/analysis/test_analysis.py keeps the two equal.
+FRACTION_METRICS: tuple[str, ...] = (
+    "acc/train", "answers/batch_mode_share", "answers/extract_rate", "answers/top_vote_acc",
+    "answers/wrong_majority", "answers/confidently_wrong", "answers/label_flip_rate",
+    "reward_quality/reward_acc", "reward_quality/majority_ratio",
+    "reward_quality/zero_spread_groups", "answers/consistency", "answers/guess_rate_<d>",
+    "answers/bare_guess_rate", "answers/peak_share", "answers/guess_<kind>_<d>",
+    "answers/line_acc_<d>", "answers/informativeness_<d>", "answers/support_<d>",
+    "answers/chain_acc_<d>", "answers/consistent_acc_<d>", "answer/frac",
+    "pg/answer_weight_share", "mask/frac", "mask/answer_overlap", "dapo/kept_rollouts",
+    "dapo/truncated", "clip/frac", "mech/computed_lead", "mech/computed_lead_<d>",
+    "prm/unscored_share", "car/position_bias", "car/select_correct", "car/incorrect_pair_first",
+    "car/top_vote_acc", "car/unclosed", "val/acc", "val/pass@<k>", "val/acc_<d>",
+    "val/extract_rate", "val/consistency", "val/guess_rate_<d>", "val/bare_guess_rate",
+    "val/peak_share", "val/guess_<kind>_<d>", "val/line_acc_<d>", "val/informativeness_<d>",
+    "val/support_<d>", "val/chain_acc_<d>", "val/consistent_acc_<d>", "recovery/cum_pass",
+    "recovery/cum_avg",
+    LEGACY_TOP_VOTE_WITHOUT_CAR,  # renamed on load (`_top_vote_names`); a fraction as well
+)  # fmt: skip
+ACCURACY_METRICS: tuple[str, ...] = ("val/acc", "val/acc_<d>", "val/pass@<k>")
+"""The fractions that are never nan: validation grades every sample against its label (the
+others are nan over an empty set by definition, e.g. `answers/label_flip_rate` before any
+prompt was revisited, `acc/train` without labelled rollouts)."""
+
+FRACTION_SLACK = 1e-6
+"""How far outside [0, 1] `check_fractions` lets a fraction be: float32 rounding of a share
+computed on a GPU (a sum over a part over a sum over the whole), never a damaged value."""
+
+_PLACEHOLDERS = {"<d>": "[A-Za-z0-9]+", "<kind>": "[a-z_]+", "<k>": "(?:[0-9]+|k)"}
+
+
+def _names_regex(names: Iterable[str]) -> re.Pattern[str]:
+    parts = []
+    for name in names:
+        pattern = re.escape(name)
+        for placeholder, part in _PLACEHOLDERS.items():
+            pattern = pattern.replace(re.escape(placeholder), part)
+        parts.append(pattern)
+    return re.compile("|".join(f"(?:{p})" for p in parts))
+
+
+_FRACTION_RE = _names_regex(FRACTION_METRICS)
+_ACCURACY_RE = _names_regex(ACCURACY_METRICS)
+
+
+@functools.lru_cache(maxsize=4096)
+def fraction_kind(name: str) -> str | None:
+    """What metric `name` is: "accuracy" (`ACCURACY_METRICS`: in [0, 1], never nan),
+    "fraction" (`FRACTION_METRICS`: in [0, 1] or nan) or None (any other metric: a loss, a KL,
+    a count, a reward)."""
+    if _ACCURACY_RE.fullmatch(name):
+        return "accuracy"
+    return "fraction" if _FRACTION_RE.fullmatch(name) else None
+
+
+def check_fractions(rows: Iterable[tuple[int, Mapping[str, Any]]], where: str | Path) -> None:
+    """Refuse (InputError naming `where`, the step and the key) a logged value of a fraction
+    metric (`fraction_kind`) outside [0, 1]: 1e308, -0.5, inf, text; and nan or null in an
+    accuracy. A damaged or foreign metrics file otherwise went into a report's tables, a
+    study's verdicts and the figures as a number (an accuracy of 1e308 is a mean of nothing)."""
+    for step, row in rows:
+        for key, value in row.items():
+            kind = fraction_kind(key)
+            if kind is None:
+                continue
+            missing = value is None or (isinstance(value, float) and math.isnan(value))
+            if missing and kind == "fraction":
+                continue  # a share over an empty set (docs/metrics.md)
+            number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+            if not missing and number and -FRACTION_SLACK <= value <= 1 + FRACTION_SLACK:
+                continue
+            expected = "a fraction in [0, 1]"
+            raise InputError(
+                f"step {step}",
+                file=where,
+                key=key,
+                found=value,
+                expected=f"{expected}, never nan (an accuracy)" if kind == "accuracy" else expected,
+            )
+
+
 _PASS_AT = re.compile(r"^(?P<head>.*/pass)_at_(?P<k>\w+)$")
 
 
@@ -309,11 +395,18 @@ def _top_vote_names(metrics: pd.DataFrame) -> pd.DataFrame:
 
 
 def _store_frame(run_dir: Path) -> pd.DataFrame:
+    """A run directory's rows; its metrics checked (`check_fractions`) as they are read: the one
+    place `report`, `figures`, `study-report` (and the calibration and warning tools) read a
+    run's metrics through."""
     store = RunStore(run_dir)
     config = _read_config(run_dir)
     status = store.read_status().get("state")
     ident = _identity(config, run_dir, store.peek_uuid())
-    return _frame(ident, config, store.read_metrics(), status, "store")
+    rows = store.metric_rows()
+    path = store.metrics_path if store.metrics_path.exists() else store.compact_metrics_path
+    check_fractions(rows, path)
+    metrics = pd.DataFrame([{"train/step": step, **row} for step, row in rows])
+    return _frame(ident, config, metrics, status, "store")
 
 
 def _combine(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
@@ -439,6 +532,7 @@ def _mlflow_frames(experiment: str, uri: str | None) -> list[pd.DataFrame]:
             history = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
             for m in history:
                 points.setdefault(int(m.step), {})[name] = m.value
+        check_fractions(sorted(points.items()), f"MLflow run {run_id} in {uri}")
         metrics = pd.DataFrame([{"train/step": s, **v} for s, v in sorted(points.items())])
         run_dir = tags.get(RUN_DIR_TAG)
         run_uuid = tags.get(RUN_UUID_TAG) or (legacy_run_uuid(run_dir) if run_dir else None)
@@ -513,6 +607,7 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
             # one row per step; a step logged again (a resumed run) keeps its latest values
             values = {k: v for k, v in row.items() if not k.startswith("_")}
             points.setdefault(int(step), {}).update(values)
+        check_fractions(sorted(points.items()), f"W&B run {project}/{run.id}")
         rows = [{**values, "train/step": step} for step, values in sorted(points.items())]
         ident = _identity(config, None, config.get("omgrpo_run_uuid"))
         if not (config.get("run") or {}).get("name"):

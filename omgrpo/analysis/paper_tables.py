@@ -18,9 +18,12 @@ sweeps are not averaged together; test-time-training runs only enter the `ttt` t
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -129,6 +132,17 @@ def _is_eval_summary(path: Path) -> bool:
     return isinstance(data, dict) and {"suite", "benchmarks", "checkpoint"} <= set(data)
 
 
+def _check_fraction(value: Any, path: Path, key: str, nan: bool = False) -> None:
+    """avg@k, pass@k and their interval's bounds are fractions: a value outside [0, 1] (1e308,
+    -0.5, inf, text; nan except in an interval) is a damaged or foreign summary, refused naming
+    it rather than averaged into a table."""
+    number = not isinstance(value, bool) and isinstance(value, numbers.Real)
+    if number and math.isnan(value) and nan:
+        return
+    if not number or not 0 <= value <= 1:  # nan fails both comparisons
+        raise InputError(file=path, key=key, found=value, expected="a fraction in [0, 1]")
+
+
 def load_evals(*sources: str | Path) -> pd.DataFrame:
     """One row per (evaluation, benchmark): run identity, suite, checkpoint, benchmark, k,
     avg@k and pass@k with their bootstrap intervals, run directory."""
@@ -154,6 +168,18 @@ def load_evals(*sources: str | Path) -> pd.DataFrame:
                     key=f"benchmarks.{bench}",
                     expected="k, metrics and ci95 with avg@k and pass@k",
                 ) from e
+            for name in (f"avg@{k}", f"pass@{k}"):
+                _check_fraction(metrics[name], path, f"benchmarks.{bench}.metrics.{name}")
+                interval = ci[name]
+                if not isinstance(interval, list | tuple) or len(interval) != 2:
+                    raise InputError(
+                        file=path,
+                        key=f"benchmarks.{bench}.ci95.{name}",
+                        found=interval,
+                        expected="[low, high], each in [0, 1]",
+                    )
+                for bound in interval:
+                    _check_fraction(bound, path, f"benchmarks.{bench}.ci95.{name}", nan=True)
             rows.append(
                 {
                     "summary": str(path),
@@ -330,10 +356,7 @@ def car_vs_n_table(df, suite, checkpoint="last") -> EvalTable:
 
 
 def _step_times(run_dir: str) -> pd.Series | None:
-    try:
-        m = RunStore(run_dir).read_metrics()
-    except (OSError, ValueError):
-        return None
+    m = RunStore(run_dir).read_metrics()  # a damaged metrics file is named, not left out
     if "time/step" not in m.columns:
         return None
     t = pd.to_numeric(m["time/step"], errors="coerce").dropna()

@@ -463,6 +463,57 @@ def test_load_runs_from_mlflow(tmp_path, monkeypatch):
         load_runs(mlflow_experiment="nope", mlflow_uri=uri)
 
 
+def _doc_fractions() -> set[str]:
+    """The metric names of docs/metrics.md's rows whose unit is "fraction"."""
+    names = set()
+    for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 4 and cells[-2] == "fraction":
+            names.update(re.findall(r"`([^`]+)`", cells[0]))
+    return names
+
+
+def test_the_fractions_checked_are_the_docs_fraction_rows():
+    """`check_fractions` refuses a value out of [0, 1] in exactly the metrics docs/metrics.md
+    calls fractions (a new fraction in the docs must be added to FRACTION_METRICS)."""
+    from omgrpo.analysis.load import FRACTION_METRICS, LEGACY_TOP_VOTE_WITHOUT_CAR
+
+    assert set(FRACTION_METRICS) - {LEGACY_TOP_VOTE_WITHOUT_CAR} == _doc_fractions()
+
+
+def test_fractions_out_of_range_are_refused_and_other_metrics_are_not_checked(tmp_path):
+    from omgrpo.analysis.load import fraction_kind
+    from omgrpo.errors import InputError
+
+    assert [fraction_kind(n) for n in ("val/acc", "val/acc_hard", "val/pass@16")] == [
+        "accuracy"
+    ] * 3
+    assert fraction_kind("answers/guess_copy_error_easy") == "fraction"
+    for name in ("loss/pg", "kl/answer", "answers/unique_per_prompt", "car/truncated", "val/"):
+        assert fraction_kind(name) is None, name
+    run = tmp_path / "r"
+    store = RunStore(run)
+    store.write_config({"run": {"name": "r"}})
+    fine = {
+        "answers/label_flip_rate": float("nan"),  # a share over no revisited prompt
+        "acc/train": float("nan"),  # no labelled rollout
+        "answer/frac": 1 + 1e-7,  # float32 rounding of a share
+        "loss/pg": 1e308,
+        "kl/answer": -3e-9,
+        "answers/unique_per_prompt": 5.0,
+        "val/acc": 1.0,
+        "val/pass@4": 0,
+    }
+    store.log_metrics(1, fine)
+    assert load_runs(run)["loss/pg"].iloc[0] == 1e308
+    store.log_metrics(2, {"val/acc": float("nan")})
+    with pytest.raises(InputError) as caught:
+        load_runs(run)
+    assert caught.value.file == str(run / "metrics.jsonl") and caught.value.key == "val/acc"
+    assert str(caught.value).endswith("val/acc: step 2 (found nan; expected a fraction in [0, 1], "
+                                      "never nan (an accuracy))")  # fmt: skip
+
+
 def test_load_runs_from_wandb_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     from omgrpo.errors import InputError
