@@ -576,9 +576,10 @@ def _default_run_config() -> str:
 def _export_setup(
     config: str | bytes | None = "default",
     checkpoints: dict[str, dict[str, str | bytes]] | None = None,
+    metrics: str | None = None,
 ):
-    """run r/ (config.yaml: the default config unless given), its checkpoints (folder -> files),
-    a folder full/ with a file in it, and a file afile."""
+    """run r/ (config.yaml: the default config unless given; metrics.jsonl if given), its
+    checkpoints (folder -> files), a folder full/ with a file in it, and a file afile."""
 
     def setup(root: Path) -> None:
         run = root / "r"
@@ -586,6 +587,8 @@ def _export_setup(
         text = _default_run_config() if config == "default" else config
         if text is not None:
             (run / "config.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
+        if metrics is not None:
+            (run / "metrics.jsonl").write_text(metrics)
         for name, files in (checkpoints or {}).items():
             folder = run / "checkpoints" / name
             folder.mkdir(parents=True)
@@ -641,6 +644,12 @@ EXPORT = [
         ["r", "o", "--checkpoint", "best", "--select-metric", "train/loss"],
         _export_setup(checkpoints=_ckpt()),
         "metric 'train/loss'",
+    ),
+    (
+        "best-by-a-damaged-val-acc",  # 1e308 would be the "best" checkpoint
+        ["r", "o", "--checkpoint", "best"],
+        _export_setup(checkpoints=_ckpt(), metrics='{"train/step": 1, "val/acc": 1e308}\n'),
+        "r/metrics.jsonl",
     ),
     ("flipped-byte", ["r", "o"], _export_setup(checkpoints=_ckpt()), "state.pt: sha256 does not"),
     (
@@ -1630,3 +1639,11 @@ def test_train_on_verl_refuses_a_bad_value_before_ray(tmp_path, capsys, monkeypa
     argv = ["train", "backend=verl", *VERL_LAUNCH, *args]
     err = refuse(argv, tmp_path, capsys, monkeypatch)
     assert err.startswith("omgrpo train backend=verl: error: ") and names in err
+
+
+def test_report_refuses_a_damaged_problems_table(tmp_path, capsys, monkeypatch):
+    """A `problems.parquet` that cannot be read is named, never skipped: the fates of the other
+    runs would otherwise be reported as all of them (it was a warning and exit 0)."""
+    setup = _with_file(_runs_setup(), "runs/r/problems.parquet", b"PAR1junk")
+    err = refuse(["report", "runs", "--out", "out"], tmp_path, capsys, monkeypatch, setup)
+    assert "runs/r/problems.parquet: unreadable" in err

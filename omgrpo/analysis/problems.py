@@ -18,13 +18,13 @@ validated once is `always` or `never`. `omgrpo report` writes the counts per run
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
 
 from omgrpo.analysis.load import find_run_dirs
+from omgrpo.errors import InputError
 from omgrpo.tracking.store import RunStore
 
 __all__ = [
@@ -49,8 +49,8 @@ FATES_FILE = "problems_fates.csv"
 
 def load_problems(run_dirs: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     """Every run's `problems.parquet` with a `run` column (the run directory's name) in front;
-    empty if no run wrote one. A table that cannot be read (or lacks the columns) is skipped
-    with a warning naming it: the rest of a report does not depend on it."""
+    empty if no run wrote one. A table that cannot be read is refused by name (InputError): a
+    report that left a damaged run out of its fates would count the others as all of them."""
     if isinstance(run_dirs, str | Path):
         run_dirs = [run_dirs]
     frames = []
@@ -59,8 +59,11 @@ def load_problems(run_dirs: str | Path | Iterable[str | Path]) -> pd.DataFrame:
         try:
             table = store.read_problems()
         except (OSError, ValueError, KeyError) as e:  # pyarrow's errors are ValueErrors
-            warnings.warn(f"skipping {store.problems_path}: {type(e).__name__}: {e}", stacklevel=2)
-            continue
+            raise InputError(
+                f"unreadable ({type(e).__name__}: {e})",
+                file=store.problems_path,
+                expected="a problems table (Parquet) as omgrpo writes it",
+            ) from e
         if not table.empty:
             frames.append(table.assign(run=run_dir.name)[["run", *table.columns]])
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

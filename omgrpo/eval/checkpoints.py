@@ -30,6 +30,18 @@ class Choice:
         return asdict(self)
 
 
+def check_selection_metric(run_dir: Path, metric: str) -> None:
+    """Refuse (InputError naming the file, step and key) a logged `metric` that is a fraction
+    out of [0, 1] (`omgrpo.analysis.load.check_fractions`): `--checkpoint best` would otherwise
+    pick the checkpoint whose damaged val/acc reads 1e308."""
+    from omgrpo.analysis.load import check_fractions
+
+    store = RunStore(run_dir)
+    rows = [(step, {metric: row[metric]}) for step, row in store.metric_rows() if metric in row]
+    source = store.metrics_path if store.metrics_path.exists() else store.compact_metrics_path
+    check_fractions(rows, source)
+
+
 def choose_checkpoint(
     run_dir: Path,
     which: str,
@@ -63,6 +75,7 @@ def choose_checkpoint(
         return Choice(which, step, str(done[step]), f"requested step {step}")
     if which == "best":
         _check_selection_split(run_dir, config, metric, split, test_paths)
+        check_selection_metric(run_dir, metric)
         best = store.best_checkpoint(metric)
         if best is None:
             raise CheckpointError(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omgrpo.backends.native.export import check_export_target, export_checkpoint
-from omgrpo.eval.checkpoints import CheckpointError, choose_checkpoint
+from omgrpo.eval.checkpoints import CheckpointError, check_selection_metric, choose_checkpoint
 from omgrpo.tracking.store import RunStore
 
 
@@ -24,6 +24,8 @@ def export_run(
     if RunStore(run_dir).read_config().get("backend") == "verl":  # through verl's model merger
         from omgrpo.backends.verl.export import export_verl_run
 
+        if checkpoint == "best":
+            check_selection_metric(run_dir, select_metric)
         return export_verl_run(run_dir, out, checkpoint, select_metric)
     if checkpoint == "base":
         raise CheckpointError(
