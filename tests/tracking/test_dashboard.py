@@ -123,10 +123,12 @@ def artifact_paths(client, run_id: str, path: str) -> list[str]:
 @pytest.mark.slow
 def test_report_files_are_logged_to_the_runs_mlflow_run(tmp_path, base_cache):
     from omgrpo.analysis.report import write_report
+    from omgrpo.core.problems import problem_table
 
     run_dir = train_toy_run(tmp_path / "runs", base_cache, ["tracking.mlflow=true"])
     run_id = RunStore(run_dir).tracker_ids()["mlflow"]
-    (run_dir / "problems.parquet").write_bytes(b"PAR1")  # the run's per-problem table
+    # the run's per-problem table (a real one: report refuses a damaged table by name)
+    RunStore(run_dir).log_problems(0, problem_table(0, ["p1"], [["3", "3"]], [[True, False]]))
     untracked = tmp_path / "runs" / "other"
     untracked.mkdir()
     RunStore(untracked).write_config({"run": {"name": "other"}})  # no MLflow id: skipped
