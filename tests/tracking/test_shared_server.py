@@ -60,7 +60,13 @@ class MlflowServer:
             "--default-artifact-root", (self.root / "artifacts").as_uri(),
             "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
         ]  # fmt: skip
-        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"}
+        # MLflow 3's server jobs (GenAI job runners: ~6 huey consumer processes, ~5 CPU-s of
+        # imports each) are never used by omgrpo; docs/tracking.md's server command turns them off
+        env = {
+            **os.environ,
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        }
         with (self.root / "server.log").open("a") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)  # fmt: skip
