@@ -117,7 +117,8 @@ test-fast: setup lint
 	$(VENV)/bin/pytest -q $(XDIST) -m "not slow and not e2e" $(PYTEST_ARGS)
 
 # durations: rerun the whole suite and rewrite tests/durations.txt, every test's time (slowest
-# first), the snapshot that tells which tests to mark `slow` or `e2e`.
+# first), the snapshot that tells which tests to mark `slow` or `e2e` and by which the suite starts
+# its longest files first (tests/conftest.py).
 durations: setup
 	{ echo "# make durations: $$(date -u +%F), commit $$(git rev-parse --short HEAD), $$(nproc) cores, $(TEST_WORKERS) workers"; \
 	  $(VENV)/bin/pytest -q $(XDIST) --durations=0 --durations-min=0.5 -p no:cacheprovider \
