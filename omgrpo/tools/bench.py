@@ -273,9 +273,14 @@ def bench_step(
     new_only: list[str] | None = None,
     vs_trl: bool = False,
     repeats: int = 1,
+    shapes: list[str] | None = None,
 ) -> dict:
     if repeats < 1:
         raise InputError(key="--repeats", found=repeats, expected="an integer >= 1")
+    if shapes is not None and (not shapes or set(shapes) - set(STEP_SHAPES)):
+        expected = f"a comma-separated subset of {', '.join(STEP_SHAPES)}"
+        raise InputError(key="--shapes", found=",".join(shapes), expected=expected)
+    chosen = {shape: STEP_SHAPES[shape] for shape in (shapes or STEP_SHAPES)}
     fixed = _fixed(steps, ["method=mv", *(overrides or [])])
     # A relative cache dir would differ between this tree and the baseline's working dir.
     cache = Path(compose(fixed).model.cache_dir).resolve()
@@ -285,7 +290,7 @@ def bench_step(
     result["repeats"] = repeats
     result["new"], result["old"] = {}, {}
     rounds: dict[str, list[dict]] = {}
-    for shape, extra in STEP_SHAPES.items():
+    for shape, extra in chosen.items():
         rounds[shape] = []
         new_args = [*fixed, *extra, *(new_only or [])]
         for k in range(repeats):
@@ -305,7 +310,7 @@ def bench_step(
                 )
             if partial is not None:
                 partial.write_text(json.dumps({"partial": True, **result}, indent=2))
-    per_round: dict[str, dict] = {shape: {} for shape in STEP_SHAPES}
+    per_round: dict[str, dict] = {shape: {} for shape in chosen}
     if baseline is not None:
         result["baseline"] = str(baseline)
         result["speedup"] = {}
@@ -394,6 +399,11 @@ def _parser() -> argparse.ArgumentParser:
         help="step: interleaved rounds per shape; figures and ratios are medians over them",
     )
     parser.add_argument(
+        "--shapes",
+        type=lambda text: text.split(","),
+        help=f"step: comma-separated subset of {', '.join(STEP_SHAPES)} (default: all)",
+    )
+    parser.add_argument(
         "--variants",
         type=lambda text: text.split(","),
         help=f"car: comma-separated subset of {', '.join(CAR_VARIANTS)}",
@@ -452,6 +462,7 @@ def _kwargs(ns) -> dict:
             "new_only": ns.new_only,
             "vs_trl": ns.vs_trl,
             "repeats": ns.repeats,
+            "shapes": ns.shapes,
         }
     if ns.name == "memory":
         return {

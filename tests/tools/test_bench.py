@@ -17,15 +17,16 @@ def test_bench_step_reports_stages_per_shape_and_speedups_over_a_baseline_tree(
     here = Path(__file__).resolve().parents[2]  # this tree as its own "baseline"
     out = tmp_path / "step.json"
     args = ["step", "--steps", "2", "--json", "--out", str(out), "--baseline", str(here)]
-    assert main([*args, *tiny_overrides, "eval.every=0"]) == 0
+    # one shape (both shapes take the same path: the scripted test below runs both)
+    assert main([*args, "--shapes", "16x8", *tiny_overrides, "eval.every=0"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result == json.loads(out.read_text())
     for tree in ("new", "old"):
-        for shape in ("16x8", "64x8"):
-            figures = result[tree][shape]
-            assert figures["time/step"] >= figures["time/gen"] > 0
-            assert figures["perf/tokens_per_s"] > 0 and figures["mem/peak_gb"] > 0
-    assert set(result["speedup"]["64x8"]) == {"time/step", "time/gen"}
+        assert list(result[tree]) == ["16x8"]
+        figures = result[tree]["16x8"]
+        assert figures["time/step"] >= figures["time/gen"] > 0
+        assert figures["perf/tokens_per_s"] > 0 and figures["mem/peak_gb"] > 0
+    assert set(result["speedup"]["16x8"]) == {"time/step", "time/gen"}
 
 
 @pytest.mark.slow
@@ -86,6 +87,26 @@ def test_bench_step_repeats_interleave_the_sides_and_report_median_ratios(monkey
     assert json.loads(partial.read_text())["partial"] is True
     with pytest.raises(ValueError, match="--repeats"):
         bench.bench_step(repeats=0)
+
+
+def test_bench_step_shapes_selects_a_subset_and_refuses_unknown_names(monkeypatch, capsys):
+    from omgrpo import cli
+
+    shapes_run = []
+
+    def measure(overrides, steps, source=None):
+        shapes_run.append(next(o for o in overrides if o.startswith("trainer.prompts_per_step")))
+        return {"time/step": 1.0, "time/gen": 0.5}
+
+    monkeypatch.setattr(bench, "_measure", measure)
+    assert list(bench.bench_step(steps=2)["new"]) == ["16x8", "64x8"]  # the default: all
+    assert list(bench.bench_step(steps=2, shapes=["64x8"])["new"]) == ["64x8"]
+    assert shapes_run[-1] == "trainer.prompts_per_step=64" and len(shapes_run) == 3
+    for bad in ("32x8", "16x8,", ""):
+        assert cli.main(["bench", "step", "--shapes", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--shapes" in err and "subset of 16x8, 64x8" in err and "Traceback" not in err
+    assert len(shapes_run) == 3  # nothing measured after a refusal
 
 
 def test_every_benchmark_result_records_its_provenance(monkeypatch, capsys, tmp_path):
