@@ -371,12 +371,8 @@ def _trl_installed() -> bool:
     return importlib.util.find_spec("trl") is not None
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omgrpo bench", description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=sorted(BENCHMARKS))
-    parser.add_argument("--steps", type=int, default=3, help="steps per variant (first dropped)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+def _add_step_flags(parser: argparse.ArgumentParser) -> None:
+    """`bench step`'s own flags."""
     parser.add_argument(
         "--baseline", type=Path, help="step: also measure the omgrpo tree in this directory"
     )
@@ -403,6 +399,15 @@ def _parser() -> argparse.ArgumentParser:
         type=lambda text: text.split(","),
         help=f"step: comma-separated subset of {', '.join(STEP_SHAPES)} (default: all)",
     )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omgrpo bench", description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("--steps", type=int, default=3, help="steps per variant (first dropped)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    _add_step_flags(parser)
     parser.add_argument(
         "--variants",
         type=lambda text: text.split(","),
