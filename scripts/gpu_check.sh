@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The one-GPU check of issue 38, sized for a 15-minute lease: one call of at most 435 s plus
-# setup (about 8.5 minutes with the machine's start), its outputs in 7 files. In order of need:
+# The one-GPU check of issue 38, sized for a 15-minute lease: one call of at most 495 s plus
+# setup (about 9 minutes with the machine's start), its outputs in 7 files. In order of need:
 # the decoder's CUDA graphs against eager decoding, `bench generate` on the paper chunk
 # (Qwen3-1.7B, 160 rows, 512 + 3072 tokens; this tree only) and at 8 rows (Llama-3.2-3B, new vs
 # the baseline tree), one LoRA update of Qwen2.5-7B's shape against its plan, and `bench memory`
 # for Qwen2.5-7B. Each part has its own time limit, so one that fails or hangs does not stop
-# the others. How it was run on 2026-11-27: docs/performance.md.
+# the others. How it ran on two leases of 2026-11-27: docs/performance.md.
 #   scripts/gpu_check.sh OUT_DIR [BASELINE_TREE]      (PYTHON=... picks the interpreter)
 # BASELINE_TREE: a directory holding an older omgrpo/ (e.g. .baseline/14a048d, carried).
 set -uo pipefail
@@ -46,11 +46,11 @@ grep '^{"' "$log" | tail -n 1 > "$out/decode_check.json"
 # 2. the paper chunk: 20 prompts x 8 rows, 512 prompt tokens, all 3072 new tokens per row. This
 #    tree only: the old decoder needs ~150 s here (137.8 s on 2026-11-26), more than the lease
 #    leaves (2026-11-27: both sides in one call ran out of time)
-part generate-paper-chunk 150 $py -m omgrpo bench generate --json --device cuda \
+part generate-paper-chunk 120 $py -m omgrpo bench generate --json --device cuda \
     --configs qwen3-1.7b-base --prompts 20 --rollouts 8 --prompt-len 512 --gen-tokens 3072 \
     --rounds 1 --out "$out/generate_qwen3_paper_chunk.json"
 # 3. 8 rows of Llama-3.2-3B, the fixed per-step cost, new vs the baseline in the same call
-part generate-8-rows 110 $py -m omgrpo bench generate --json --device cuda \
+part generate-8-rows 170 $py -m omgrpo bench generate --json --device cuda \
     --configs llama-3.2-3b-instruct --prompts 1 --rollouts 8 --prompt-len 512 --gen-tokens 1024 \
     --rounds 1 --out "$out/generate_llama_8_rows.json" "${compare[@]}"
 # 4. one LoRA update of Qwen2.5-7B's shape against its plan
