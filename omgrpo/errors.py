@@ -194,8 +194,11 @@ def read_yaml(path: str | Path, what: str = "a YAML file") -> Any:
     import yaml
 
     text = read_text(path, what)
+    # libyaml's parser where PyYAML was built with it: the same data as safe_load, ~10x faster
+    # (a study's report reads ~150 run configs)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=loader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else None

@@ -324,8 +324,9 @@ def what_happened(df: pd.DataFrame) -> list[str]:
         return []
     lines = ["## What happened", ""]
     summary = run_summary(df).sort_values("final val/acc", ascending=False)
+    rows_of = dict(tuple(df.groupby("run", sort=False)))
     for _, row in summary.iterrows():
-        part = df[df["run"] == row["run"]]
+        part = rows_of.get(row["run"], df.iloc[:0])
         moves = [
             f"{NARRATED[m]} {v['start']:.2f} → {v['final']:.2f}"
             for m, v in trajectories(part).items()

@@ -763,3 +763,23 @@ def test_study_report_end_to_end_on_a_small_v4_like_study(tmp_path, capsys):
     capsys.readouterr()
     assert main(["study-report", str(runs), "--prereg", str(prereg), "--out", str(out)]) == 2
     assert "unknown key 'holm'" in capsys.readouterr().err
+
+
+def test_a_runs_rows_are_the_plain_filters_rows_in_every_frame():
+    """`_run` splits a frame into its runs once: each lookup gives exactly the rows the plain
+    filter gives, a run not in the frame none, and a new frame its own rows (not the last)."""
+    from omgrpo.analysis.study import _run
+
+    def plain(df, e, s, m):
+        return df[(df["experiment"] == e) & (df["seed"] == s) & (df["method"] == m)]
+
+    one = pd.DataFrame({
+        "experiment": ["w", "w", "w", "w_base1", "w"], "seed": [0, 0, 1, 0, 0],
+        "method": ["mv", "mv", "mv", "mv", "gt"], "step": [0, 1, 0, 0, 0],
+        "val/acc": [0.1, 0.2, 0.3, 0.4, 0.5],
+    })  # fmt: skip
+    two = one.assign(**{"val/acc": one["val/acc"] + 1})
+    for df in (one, two, one):
+        for e, s, m in [("w", 0, "mv"), ("w", 1, "mv"), ("w_base1", 0, "mv"), ("w", 0, "gt")]:
+            pd.testing.assert_frame_equal(_run(df, e, s, m), plain(df, e, s, m))
+        assert _run(df, "w", 2, "mv").empty and list(_run(df, "w", 2, "mv").columns) == list(df)
