@@ -298,10 +298,10 @@ def _base(args: list[str]) -> int:
     import argparse
     from pathlib import Path
 
+    from omgrpo.models.base_key import toy_base_recipe
     from omgrpo.models.basecheck import format_checks, read_base_checks
     from omgrpo.models.bases import ship_base
     from omgrpo.models.loading import base_model_dir
-    from omgrpo.models.toy import toy_base_recipe
     from omgrpo.tasks.registry import load_task
 
     parser = argparse.ArgumentParser(prog="omgrpo base", description="A config's toy base.")

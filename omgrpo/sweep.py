@@ -411,7 +411,7 @@ def _prepare_toy_bases(runs: list[PlannedRun], say) -> None:
     """Train each toy base the runs need once, before they start in parallel (otherwise each
     parallel run would train the same base at the same time); a base trains on one thread
     wherever it is trained (`omgrpo.models.toy.ensure_toy_base`)."""
-    from omgrpo.models.toy import toy_base_key
+    from omgrpo.models.base_key import toy_base_key
 
     needed: dict[str, Any] = {}
     for run in runs:

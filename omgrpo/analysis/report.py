@@ -357,9 +357,9 @@ def base_checks(run_dirs: Sequence[Path]) -> dict[str, dict | None]:
 
     from omgrpo.config import Config
     from omgrpo.errors import InputError, short_message
+    from omgrpo.models.base_key import toy_base_key
     from omgrpo.models.basecheck import read_base_checks
     from omgrpo.models.bases import SHIPPED_DIR
-    from omgrpo.models.toy import toy_base_key
 
     schema = OmegaConf.structured(Config)
     out: dict[str, dict | None] = {}

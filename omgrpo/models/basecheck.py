@@ -28,15 +28,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from omgrpo.core.accuracy import avg_at_k, mean_pass_at_k
 from omgrpo.core.answers import extract_boxed, normalize
 from omgrpo.core.diagnostics import GuessCounts, count_guesses
 from omgrpo.core.task import Problem
 from omgrpo.tasks.toy import ToyProbe, ToyWorldSpec, draw_distinct
+
+if TYPE_CHECKING:  # torch is imported where a base is measured: reports only read checks
+    import torch
 
 __all__ = [
     "DifficultyStats",
@@ -179,7 +180,6 @@ def check_problems(spec: ToyWorldSpec, n: int, seed: int, exclude: set[str]) -> 
     return out
 
 
-@torch.no_grad()
 def measure_base(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -192,6 +192,15 @@ def measure_base(
 ) -> dict:
     """Sample `k` responses per problem at the training temperature and return `acceptance`'s
     verdicts, including the mean entropy (nats) of the policy over answer-span tokens."""
+    import torch
+
+    with torch.no_grad():
+        return _measure(model, tokenizer, problems, spec, k, temperature, max_new_tokens)
+
+
+def _measure(model, tokenizer, problems, spec, k, temperature, max_new_tokens) -> dict:
+    import torch
+
     from omgrpo.core.step import decode_responses
     from omgrpo.generation.rollout import response_logits, sample, stop_token_ids
     from omgrpo.tasks.prompts import PromptEncoder

@@ -8,7 +8,6 @@ the SFT cost is paid once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,13 +26,12 @@ from omgrpo.core.losses import token_logprobs_and_entropy
 from omgrpo.core.prompt import render_prompt
 from omgrpo.generation.engine import left_pad, right_pad
 from omgrpo.generation.rollout import Sequences, response_logits
+from omgrpo.models.base_key import toy_base_key
 from omgrpo.models.basecheck import write_base_checks
 from omgrpo.models.bases import install_shipped
 from omgrpo.models.tokenizer import build_char_tokenizer, build_tokenizer
 from omgrpo.tasks.toy import ToyWorldSpec, corrupt_solution, generate_sft_problems
 
-# Bump when the toy model or the warm-start recipe changes, so stale caches are not reused.
-TOY_BASE_VERSION = 1
 SFT_PROBLEMS = 20_000
 TOKENIZER_PROBLEMS = 2_000  # the toy BPE's vocabulary saturates well before
 
@@ -59,57 +57,6 @@ def build_toy_model(cfg: Any, tokenizer: PreTrainedTokenizerBase, seed: int) -> 
     )
     torch.manual_seed(seed)
     return Qwen3ForCausalLM(config)
-
-
-# The world's fields before the shortcut worlds existed: always in the key.
-_FAITHFUL_FIELDS = ("min_steps", "max_steps", "max_start", "max_operand", "max_factor", "max_value")
-
-
-def _world_key(spec: ToyWorldSpec) -> dict[str, Any]:
-    """The world part of a base's key: shortcut-world fields only where they differ from their
-    defaults, so bases of the faithful world keep the key they had before those fields existed."""
-    defaults = ToyWorldSpec()
-    key = {
-        k: v for k, v in spec.__dict__.items() if k in _FAITHFUL_FIELDS or v != getattr(defaults, k)
-    }
-    if spec.hard_share > 0:
-        # 2: de-duplication keeps each draw's difficulty (docs/toy-worlds.md, world v2)
-        key["generator"] = 2
-    return key
-
-
-def toy_base_recipe(model_cfg: Any, task_cfg: Any) -> dict[str, Any]:
-    """Everything that determines a toy base's weights; its sha256 is the base's key."""
-    warm_start = dict(model_cfg.warm_start)
-    # neither changes the weights: checks are measured after training, `shipped` says where
-    # the weights come from
-    warm_start.pop("check_problems", None)
-    warm_start.pop("shipped", None)
-    if not warm_start.get("car_share"):  # bases trained before CAR batches existed keep their key
-        warm_start.pop("car_share", None)
-    spec = {
-        "version": TOY_BASE_VERSION,
-        # char bases keep the key they had before the tokenizer became a setting
-        **({} if model_cfg.tokenizer == "char" else {"tokenizer": model_cfg.tokenizer}),
-        "arch": [
-            model_cfg.hidden_size,
-            model_cfg.num_layers,
-            model_cfg.num_heads,
-            model_cfg.num_kv_heads,
-        ],
-        "warm_start": warm_start,
-        "world": _world_key(ToyWorldSpec.from_config(task_cfg)),
-        "task_seed": task_cfg.seed,
-    }
-    return spec
-
-
-def recipe_key(recipe: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def toy_base_key(model_cfg: Any, task_cfg: Any) -> str:
-    return recipe_key(toy_base_recipe(model_cfg, task_cfg))
 
 
 def ensure_toy_base(model_cfg: Any, task_cfg: Any, exclude_questions: set[str]) -> Path:

@@ -34,9 +34,10 @@ from transformers import AutoModelForTokenClassification, AutoTokenizer
 from omgrpo.console import Progress, quiet_library_bars
 from omgrpo.core.process import aggregate, split_steps
 from omgrpo.core.task import Problem
+from omgrpo.models.base_key import recipe_key, toy_base_key
 from omgrpo.models.bases import SHIPPED_DIR, install_shipped
 from omgrpo.models.prm import PRM_META, PrmSettings, ProcessRewardModel, load_prm
-from omgrpo.models.toy import SFT_PROBLEMS, clipped_step, recipe_key, toy_base_key
+from omgrpo.models.toy import SFT_PROBLEMS, clipped_step
 from omgrpo.tasks.toy import (
     ToyWorldSpec,
     corrupt_solution,

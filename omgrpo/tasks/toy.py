@@ -44,7 +44,7 @@ class ToyWorldSpec:
     """Parameters of the generator: the one declaration of the toy world's fields and defaults.
 
     `omgrpo.config.TaskConfig` inherits them (the `task.*` keys: `task.hard_share=0.5`), and a
-    toy base's cache key is built from them (`omgrpo.models.toy._world_key`), so a default can
+    toy base's cache key is built from them (`omgrpo.models.base_key._world_key`), so a default can
     only change in one place, where the key's dependence on it is visible. Not frozen because
     Hydra cannot override a frozen dataclass's node; treat a spec as a value (`replace`)."""
 

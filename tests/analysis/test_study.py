@@ -260,7 +260,7 @@ def test_reports_print_the_bases_checks(tmp_path):
 
     from omgrpo.analysis.report import base_checks, write_report
     from omgrpo.config import Config
-    from omgrpo.models.toy import toy_base_key
+    from omgrpo.models.base_key import toy_base_key
 
     run = tmp_path / "runs" / "toy__mv__s0"
     shutil.copytree(Path(__file__).resolve().parents[1] / "fixtures" / "runs" / "toy__mv__s0", run)
@@ -330,9 +330,9 @@ def test_a_shipped_bases_checks_are_found_without_the_cache(tmp_path):
 
     from omgrpo.analysis.report import base_checks
     from omgrpo.config import compose
+    from omgrpo.models.base_key import toy_base_key
     from omgrpo.models.basecheck import read_base_checks
     from omgrpo.models.bases import SHIPPED_DIR
-    from omgrpo.models.toy import toy_base_key
 
     def run_with(*overrides: str):
         cfg = compose(["experiment=toy_shortcut", "method=mv", *overrides])

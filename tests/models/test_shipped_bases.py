@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from omgrpo.config import compose
+from omgrpo.models.base_key import recipe_key, toy_base_key
 from omgrpo.models.bases import MANIFEST, SHIPPED_DIR, install_shipped, ship_base, shipped_base
-from omgrpo.models.toy import ensure_toy_base, recipe_key, toy_base_key
+from omgrpo.models.toy import ensure_toy_base
 
 SHIPPED = sorted(SHIPPED_DIR.glob("toy-base-*"))
 
