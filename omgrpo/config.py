@@ -16,9 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from omgrpo.core.car import CarConfig
+from omgrpo.core.choices import AGG_MODES, ANSWER_SPANS
 from omgrpo.core.diagnostics import COLLAPSE_DEFAULTS
-from omgrpo.core.losses import AGG_MODES
-from omgrpo.core.spans import ANSWER_SPANS
 from omgrpo.tasks.toy import ToyWorldSpec
 from omgrpo.tracking import TrackingConfig
 

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from omgrpo.core.choices import AGG_MODES
+
 __all__ = [
     "AGG_MODES",
     "ZERO_SPREAD_TOL",
@@ -52,7 +54,6 @@ __all__ = [
     "zero_spread_rows",
 ]
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 ZERO_SPREAD_TOL = 1e-12
 """A group's rewards have zero spread when their range or std is at most this: GRPO gives the

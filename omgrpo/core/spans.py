@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from omgrpo.core.answers import Boxed, extract_boxed
+from omgrpo.core.choices import ANSWER_SPANS
 
 __all__ = [
     "ANSWER_SPANS",
@@ -33,12 +34,6 @@ __all__ = [
     "with_stop_token",
 ]
 
-ANSWER_SPANS = ("boxed", "closing", "closing_line", "closing_only")
-"""`algorithm.answer_span` values: `boxed` (the paper's span, the content of the last
-``\\boxed{}``), `closing` (also the closing ``}`` -- the character that decides where the answer
-ends -- and the stop token right after it), `closing_line` (the whole line holding the last box,
-from its start, and the stop token right after it), `closing_only` (the closing ``}`` and the
-stop token right after it, without the box's content: study v4's generic mask)."""
 
 _REPLACEMENT = "\ufffd"  # what decoders emit for an incomplete UTF-8 byte sequence
 
