@@ -117,6 +117,10 @@ def environment(out: Path) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         HF_HUB_OFFLINE="1",
         WANDB_MODE="offline",
+        # Ray starts a Python worker per logical CPU (8 here) in advance; verl's actors get
+        # their own processes anyway, so the idle ones only cost their start-up
+        RAY_enable_worker_prestart="0",
+        RAY_prestart_worker_first_driver="0",
         **{SERVER_LOG: str(out / "server.jsonl")},
     )
     return env
