@@ -194,13 +194,6 @@ def measure_base(
     verdicts, including the mean entropy (nats) of the policy over answer-span tokens."""
     import torch
 
-    with torch.no_grad():
-        return _measure(model, tokenizer, problems, spec, k, temperature, max_new_tokens)
-
-
-def _measure(model, tokenizer, problems, spec, k, temperature, max_new_tokens) -> dict:
-    import torch
-
     from omgrpo.core.step import decode_responses
     from omgrpo.generation.rollout import response_logits, sample, stop_token_ids
     from omgrpo.tasks.prompts import PromptEncoder
@@ -220,11 +213,13 @@ def _measure(model, tokenizer, problems, spec, k, temperature, max_new_tokens) -
     responses = decode_responses(tokenizer, seqs.response_ids, seqs.response_mask)
     texts, answer_mask = responses.texts, responses.answer_mask
     entropies = []
-    for rows in torch.arange(len(seqs)).split(256):
-        part = seqs.select(rows)
-        logp = torch.log_softmax(response_logits(model, part, pad_id=tokenizer.pad_token_id), -1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        entropies.append(entropy[answer_mask[rows]])
+    with torch.no_grad():  # `sample` is already
+        for rows in torch.arange(len(seqs)).split(256):
+            part = seqs.select(rows)
+            logits = response_logits(model, part, pad_id=tokenizer.pad_token_id)
+            logp = torch.log_softmax(logits, -1)
+            entropy = -(logp.exp() * logp).sum(-1)
+            entropies.append(entropy[answer_mask[rows]])
     answer_entropy = torch.cat(entropies)
     groups = [texts[i * k : (i + 1) * k] for i in range(len(problems))]
     return acceptance(
