@@ -191,11 +191,20 @@ def report_failure(verb: str, e: BaseException) -> int:
     return 1
 
 
+# verbs that load a model (transformers' generation code), so import it first without
+# scikit-learn (omgrpo.models.hf_import)
+MODEL_VERBS = {"train", "base", "prm", "eval", "export", "bench"}
+
+
 def _dispatch(argv: list[str]) -> int:
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    if command in MODEL_VERBS:
+        from omgrpo.models.hf_import import import_transformers_generation
+
+        import_transformers_generation()
     if command == "train":
         return _train(rest)
     if command == "plan":
