@@ -2,6 +2,8 @@
 hyperparameters (appendix "Implementation Details"); method presets set what their comments
 say (reward parts, answer-token weight w, CAR, G)."""
 
+import functools
+
 import pytest
 
 from omgrpo.config import EXPERIMENTS_DIR, compose
@@ -53,6 +55,7 @@ EXPECTED = {
 }
 
 
+@functools.cache  # several tests read the same pairs (and never change a config)
 def _compose(experiment: str, method: str = "om_grpo", *extra: str):
     overrides = [f"experiment={experiment}", f"method={method}", *extra]
     if experiment.startswith("paper"):
@@ -83,8 +86,46 @@ def test_every_preset_file_says_what_it_is(group):
         assert lines[1].startswith("# ") and len(lines[1]) > 10, f"{path}: describe the preset"
 
 
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
-@pytest.mark.parametrize("method", METHODS)
+def _keys(group: str, name: str) -> set[str]:
+    """The dotted keys a preset sets, with those of the presets of its group it builds on
+    (`defaults: [toy, _self_]`)."""
+    import yaml
+
+    def flat(node: dict, prefix: str = "") -> set[str]:
+        keys = set()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                keys |= flat(value, f"{prefix}{key}.")
+            elif key != "defaults" or prefix:
+                keys.add(f"{prefix}{key}")
+        return keys
+
+    data = yaml.safe_load((EXPERIMENTS_DIR / group / f"{name}.yaml").read_text()) or {}
+    parents = [d for d in data.get("defaults", []) if isinstance(d, str) and d != "_self_"]
+    return flat(data).union(*(_keys(group, parent) for parent in parents))
+
+
+def _pairs() -> list[tuple[str, str]]:
+    """Every method at a toy and a paper scale, every scale with two methods, and every pair
+    whose presets set a common key. The rest add nothing: the presets hold no interpolations,
+    so a pair sharing no key composes as the union of what each sets (composing all 14 x 34
+    pairs took ~110 CPU-s of the suite)."""
+    experiments = {e: _keys("experiment", e) for e in EXPERIMENTS}
+    methods = {m: _keys("method", m) for m in METHODS}
+    pairs = {(e, m) for m in METHODS for e in ("toy", "paper_qwen3_1p7b")}
+    pairs |= {(e, m) for e in EXPERIMENTS for m in ("om_grpo", "mv")}
+    pairs |= {(e, m) for e in EXPERIMENTS for m in METHODS if experiments[e] & methods[m]}
+    return sorted(pairs)
+
+
+def test_preset_keys_are_read_with_their_parents():
+    assert "model.warm_start.steps" in _keys("experiment", "toy_shortcut")  # from toy
+    assert "task.hard_share" in _keys("experiment", "toy_mixed")  # via toy_shortcut
+    assert {"reward.prm.aggregate", "reward.parts"} <= _keys("method", "prm_last")  # via prm
+    assert not any(k.startswith("defaults") for k in _keys("method", "prm_last"))
+
+
+@pytest.mark.parametrize(("experiment", "method"), _pairs())
 @pytest.mark.slow
 def test_every_method_composes_at_every_scale(method, experiment):
     cfg = _compose(experiment, method)
