@@ -118,6 +118,13 @@ def _pairs() -> list[tuple[str, str]]:
     return sorted(pairs)
 
 
+def test_presets_hold_no_interpolations():
+    """What `_pairs` leaves out relies on it."""
+    for group in ("experiment", "method"):
+        for path in (EXPERIMENTS_DIR / group).glob("*.yaml"):
+            assert "${" not in path.read_text(), path
+
+
 def test_preset_keys_are_read_with_their_parents():
     assert "model.warm_start.steps" in _keys("experiment", "toy_shortcut")  # from toy
     assert "task.hard_share" in _keys("experiment", "toy_mixed")  # via toy_shortcut
