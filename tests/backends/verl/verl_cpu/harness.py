@@ -121,6 +121,10 @@ def environment(out: Path) -> dict[str, str]:
         # their own processes anyway, so the idle ones only cost their start-up
         RAY_enable_worker_prestart="0",
         RAY_prestart_worker_first_driver="0",
+        # Ray runs its workers at nice 15 (`ray job submit` sets 0): under a busy machine the
+        # run then waits behind everything else (a 900 s timeout beside a niced 2-process
+        # job, where it takes ~4 min alone)
+        RAY_worker_niceness="0",
         **{SERVER_LOG: str(out / "server.jsonl")},
     )
     return env
