@@ -24,6 +24,7 @@ from omgrpo.config import (
     AlgorithmConfig,
     CollapseConfig,
     RewardConfig,
+    read_yaml_with_libyaml,
     validate_algorithm,
 )
 from omgrpo.core.car import CarConfig
@@ -146,8 +147,12 @@ AGENT_LOOP_MANAGER = "omgrpo.backends.verl.agent_loop.OmgrpoAgentLoopManager"
 
 
 def register_schema() -> None:
-    """Store the section's schema for the presets' defaults list (`/omgrpo_verl_schema@omgrpo`)."""
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=OmgrpoVerlConfig)
+    """Store the section's schema for the presets' defaults list (`/omgrpo_verl_schema@omgrpo`),
+    once per process, and have YAML read by libyaml (omgrpo.config.read_yaml_with_libyaml)."""
+    read_yaml_with_libyaml()
+    cs = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in cs.repo:
+        cs.store(name=SCHEMA_NAME, node=OmgrpoVerlConfig)
 
 
 def available_presets() -> list[str]:
