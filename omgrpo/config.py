@@ -638,10 +638,10 @@ def register_configs() -> None:
 def read_yaml_with_libyaml() -> None:
     """Make OmegaConf (so Hydra: every preset, and verl's 81 config files per verl compose)
     parse YAML with libyaml's parser instead of PyYAML's pure-Python one: the same loader class
-    otherwise (OmegaConf's duplicate-key check, float and Path rules). All 328 YAML files of
-    experiments/, sweeps/, verl's and Hydra's configs and the committed run configs load to the
-    same data ~7x faster, a third of a verl compose and a fifth of a toy one
-    (tests/test_config_yaml.py checks them). A no-op where PyYAML was built without libyaml."""
+    otherwise (OmegaConf's duplicate-key check, float and Path rules). The YAML files of
+    experiments/, sweeps/, verl's and Hydra's configs and the committed run configs (328) load to
+    the same data ~7x faster (tests/test_config_yaml.py), a verl compose ~25 % and a toy one
+    ~15 % quicker. A no-op where PyYAML was built without libyaml."""
     import omegaconf._utils as omegaconf_utils
     import yaml
 
