@@ -22,7 +22,7 @@ def _python_loader() -> type:
     read_yaml_with_libyaml()
     loader = omegaconf_utils.get_yaml_loader()
     assert loader.__mro__[1] is yaml.CSafeLoader
-    return loader.__mro__[3]  # LibyamlLoader, CSafeLoader, CParser, OmegaConf's loader
+    return next(base for base in loader.__mro__ if base.__module__.startswith("omegaconf"))
 
 
 def _yaml_files() -> list[Path]:

@@ -89,7 +89,7 @@ def test_every_preset_file_says_what_it_is(group):
 def _keys(group: str, name: str) -> set[str]:
     """The dotted keys a preset sets, with those of the presets of its group it builds on
     (`defaults: [toy, _self_]`)."""
-    import yaml
+    from omgrpo.errors import read_yaml
 
     def flat(node: dict, prefix: str = "") -> set[str]:
         keys = set()
@@ -100,7 +100,7 @@ def _keys(group: str, name: str) -> set[str]:
                 keys.add(f"{prefix}{key}")
         return keys
 
-    data = yaml.safe_load((EXPERIMENTS_DIR / group / f"{name}.yaml").read_text()) or {}
+    data = read_yaml(EXPERIMENTS_DIR / group / f"{name}.yaml") or {}
     parents = [d for d in data.get("defaults", []) if isinstance(d, str) and d != "_self_"]
     return flat(data).union(*(_keys(group, parent) for parent in parents))
 
