@@ -617,6 +617,7 @@ def _wandb_frames(project: str) -> list[pd.DataFrame]:
 
 
 # -- statistics --------------------------------------------------------------------------------
+@functools.cache  # figures ask once per (step, arm) row: 24k calls for a study's 8 figures
 def t_critical(dof: int, confidence: float = 0.95) -> float:
     """Two-sided Student-t critical value t_{(1+confidence)/2, dof}; NaN without a dof."""
     from scipy import stats
