@@ -229,8 +229,7 @@ def _curves(
 ) -> int:
     """The mean over seeds of `metric` per curve, with a 95% CI band (n >= 3 seeds) or each
     seed's line (n = 2), clipped to `metric_range`; returns the number of curves drawn."""
-    # only the columns used below: a copy of the whole frame (every logged metric) per curve
-    # was a third of drawing a study's figures
+    # only the columns used below, not a copy of every logged metric per curve
     data = df[[c for c in ("curve", "method", "run", "step") if c in df.columns]].copy()
     data[metric] = _numeric(df, metric) * scale
     data = data.dropna(subset=[metric])
