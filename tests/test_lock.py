@@ -92,7 +92,6 @@ def test_makefile_installs_under_the_lock_and_torch_from_lock_in():
     assert len(installs) == 2 and all("-c $(LOCK)" in line for line in installs), installs
     assert "INSTALL = install() { $(VENV)/bin/uv pip install" in makefile
     assert '|| $(PY) -m pip install -q --no-compile "$$@"; }; install' in makefile
-    assert "PIP_INSTALL := $(PY) -m pip install -q --no-compile" in makefile
     assert """$(PIP_INSTALL) "$$(grep '^uv==' $(LOCK))\"""" in makefile
     assert (
         "LOCK := constraints/lock.txt" in makefile
