@@ -191,8 +191,8 @@ def report_failure(verb: str, e: BaseException) -> int:
     return 1
 
 
-# verbs that load a model (transformers' generation code), so import it first without
-# scikit-learn (omgrpo.models.hf_import)
+# verbs that load a model (transformers' generation code): transformers is told first that
+# scikit-learn is absent (omgrpo.models.hf_import)
 MODEL_VERBS = {"train", "base", "prm", "eval", "export", "bench"}
 
 
@@ -202,9 +202,9 @@ def _dispatch(argv: list[str]) -> int:
         return 0
     command, rest = argv[0], argv[1:]
     if command in MODEL_VERBS:
-        from omgrpo.models.hf_import import import_transformers_generation
+        from omgrpo.models.hf_import import hide_sklearn_from_transformers
 
-        import_transformers_generation()
+        hide_sklearn_from_transformers()
     if command == "train":
         return _train(rest)
     if command == "plan":

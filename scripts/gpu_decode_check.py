@@ -17,12 +17,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from omgrpo.generation import engine
-from omgrpo.generation.rollout import sample
-from omgrpo.tools.memory_bench import CONFIGS, shrunk_config
+from omgrpo.models.hf_import import hide_sklearn_from_transformers
+
+hide_sklearn_from_transformers()  # before a model class is imported (omgrpo.models.hf_import)
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from omgrpo.generation import engine  # noqa: E402
+from omgrpo.generation.rollout import sample  # noqa: E402
+from omgrpo.tools.memory_bench import CONFIGS, shrunk_config  # noqa: E402
 
 
 def main() -> int:

@@ -271,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
         argv = sys.argv[1:] if argv is None else argv
         os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
+    from omgrpo.models.hf_import import hide_sklearn_from_transformers
     from omgrpo.tools.memory_bench import shrunk_config
+
+    hide_sklearn_from_transformers()
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.shrink == 1:

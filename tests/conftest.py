@@ -28,6 +28,17 @@ settings.register_profile(
 )
 settings.load_profile("omgrpo")
 
+
+def pytest_configure(config):
+    """Where tests run (a pytest-xdist worker, or pytest without workers; not the controller,
+    which imports no model), transformers skips scikit-learn as in the CLI
+    (omgrpo.models.hf_import): ~2 CPU-s per worker."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        from omgrpo.models.hf_import import hide_sklearn_from_transformers
+
+        hide_sklearn_from_transformers()
+
+
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")

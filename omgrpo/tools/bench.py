@@ -205,6 +205,11 @@ from omgrpo.errors import InputError, check_int
 from omgrpo.tracking.store import RunStore
 from omgrpo.backends.native.trainer import train
 steps, overrides = int(sys.argv[1]), sys.argv[2:]
+try:  # transformers without scikit-learn, as in `omgrpo train` (not in older trees)
+    from omgrpo.models.hf_import import hide_sklearn_from_transformers
+    hide_sklearn_from_transformers()
+except ImportError:
+    pass
 try:  # the grader's one-off warm-up (a few seconds) is not part of any step's time
     from omgrpo.core.answers import start_grader_warm_up
     warm = start_grader_warm_up()

@@ -134,6 +134,8 @@ from torch.profiler import ProfilerActivity, profile
 spec = json.loads(open(sys.argv[1]).read())
 sys.path.insert(0, spec["bench_tree"])
 from omgrpo.tools.generate_bench import HostReads, count_kernel_ops, cuda_counts
+from omgrpo.models.hf_import import hide_sklearn_from_transformers
+hide_sklearn_from_transformers()  # before any model class is imported, by either tree
 sys.path.pop(0)
 for name in [m for m in sys.modules if m == "omgrpo" or m.startswith("omgrpo.")]:
     del sys.modules[name]  # the bench's helpers above come from the new tree; omgrpo from the one measured

@@ -551,6 +551,9 @@ def worker_main(job: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="bench memory worker (one config)")
     parser.add_argument("job", help="JSON: model_dir and the sizes")
+    from omgrpo.models.hf_import import hide_sklearn_from_transformers
+
+    hide_sklearn_from_transformers()
     worker_main(parser.parse_args(argv).job)
 
 

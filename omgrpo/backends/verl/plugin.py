@@ -12,6 +12,7 @@ from __future__ import annotations
 from importlib.metadata import version
 
 from omgrpo.backends.verl import VERL_VERSION
+from omgrpo.models.hf_import import hide_sklearn_from_transformers
 
 
 def check_version(installed: str) -> None:
@@ -24,6 +25,9 @@ def check_version(installed: str) -> None:
 
 
 check_version(version("verl"))
+# every verl process loads this plugin before it imports a model class: the process's
+# transformers then skips scikit-learn (omgrpo.models.hf_import; ~2 CPU-s per Ray worker)
+hide_sklearn_from_transformers()
 
 from omgrpo.backends.verl.trainer import TRAINER_NAME, OmgrpoTrainer  # noqa: E402  (registers)
 

@@ -30,6 +30,7 @@ print(json.dumps({
     "trainer": None if cls is None else f"{cls.__module__}.{cls.__qualname__}",
     "plugin_imported": "omgrpo.backends.verl.plugin" in sys.modules,
     "verl": verl.__version__,
+    "sklearn_imported": "sklearn" in sys.modules,
 }))
 """
 
@@ -60,6 +61,9 @@ def test_import_verl_registers_the_trainer():
         "trainer": "omgrpo.backends.verl.trainer.OmgrpoTrainer",
         "plugin_imported": True,
         "verl": VERL_VERSION,
+        # the plugin (loaded in every verl process, Ray workers included) tells transformers
+        # scikit-learn is absent before its trainer imports a model class (~2 CPU-s a process)
+        "sklearn_imported": False,
     }
 
 
