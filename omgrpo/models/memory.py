@@ -338,8 +338,11 @@ def sizes_from_config(cfg: Any, device_type: str) -> Sizes:
         new_tokens=r.max_new_tokens,
         top_p=r.top_p,
         micro=a.micro_batch_size or mini,
-        # update.single_update: one PPO epoch over one mini-batch reuses the update's forward
-        old_pass=stats or not (a.ppo_epochs == 1 and mini >= rows),
+        # update.single_update: one PPO epoch over one mini-batch reuses the update's forward;
+        # the top-entropy mask's entropy comes from a pass of its own (trainer.old_pass)
+        old_pass=stats
+        or getattr(a, "top_entropy_quantile", None) is not None
+        or not (a.ppo_epochs == 1 and mini >= rows),
         stats=stats,
         ref=a.kl_coef > 0,
         checkpointing=bool(cfg.model.gradient_checkpointing),

@@ -213,6 +213,10 @@ def test_old_pass_follows_the_trainers_rule():
         cfg = compose(overrides)
         rows = cfg.trainer.prompts_per_step * cfg.rollout.n
         assert sizes_from_config(cfg, "cpu").old_pass == (not single_update(cfg.algorithm, rows))
+    # the top-entropy mask's pass runs with a single update too (trainer.old_pass)
+    cfg = compose(["algorithm.top_entropy_quantile=0.2"])
+    assert single_update(cfg.algorithm, cfg.trainer.prompts_per_step * cfg.rollout.n)
+    assert sizes_from_config(cfg, "cpu").old_pass
 
 
 def _fake_cuda(monkeypatch, gib: int) -> None:

@@ -362,3 +362,47 @@ def test_step_loss_is_grpo_loss_on_the_indexed_rows():
             num_tokens=mask.sum(),
         )
         torch.testing.assert_close(got, want)
+
+
+def test_step_loss_takes_the_generic_masks_token_mask_row_by_row():
+    """A scored step's `token_mask` (the generic masks) reaches the loss of rows `idx` in any
+    order: `step_loss` equals `grpo_loss` given `token_mask[idx]` by hand, differs from the
+    unmasked loss, and leaves exactly zero gradient on the masked tokens."""
+    import dataclasses
+
+    from omgrpo.core.losses import grpo_loss
+    from omgrpo.core.step import step_loss
+
+    _, tok = random_toy_model(num_layers=1, seed=5)
+    seqs, batch = _step(tok)
+    shape = seqs.response_ids.shape
+    g = torch.Generator().manual_seed(1)
+    token_mask = (torch.rand(shape, generator=g) < 0.3) & seqs.response_mask.bool()
+    masked_batch = dataclasses.replace(batch, token_mask=token_mask)
+    idx = torch.tensor([4, 0, 2])  # shuffled, as a mini-batch's rows
+    old = torch.randn(shape, generator=g) * 0.1 - 2.0
+    mask = seqs.response_mask[idx]
+    algo = _algo(answer_weight=1.0, kl_coef=0.0, agg="token-mean")
+    logprobs = (old[idx] + torch.randn((3, shape[1]), generator=g) * 0.05).requires_grad_()
+    got, _ = step_loss(masked_batch, idx, logprobs, mask, algo, mask.sum(), old_logprobs=old)
+    want, _ = grpo_loss(
+        logprobs,
+        old[idx],
+        None,
+        batch.advantages[idx],
+        mask,
+        batch.responses.answer_mask[idx],
+        answer_weight=1.0,
+        clip=algo.clip,
+        kl_coef=0.0,
+        agg="token-mean",
+        num_tokens=mask.sum(),
+        token_mask=token_mask[idx],
+    )
+    torch.testing.assert_close(got, want)
+    unmasked, _ = step_loss(batch, idx, logprobs, mask, algo, mask.sum(), old_logprobs=old)
+    assert not torch.isclose(got, unmasked)
+    (grad,) = torch.autograd.grad(got, logprobs)
+    assert token_mask[idx].any() and (grad[token_mask[idx]] == 0).all()
+    trained = mask.bool() & ~token_mask[idx]
+    assert (grad[trained] != 0).any()
