@@ -1,8 +1,8 @@
 """The committed studies regenerate from their compact runs (metrics.jsonl.xz, `omgrpo compact`)
 exactly as committed. The cheapest: the v2 study's calibration verdict (12 runs and 2 headroom
 replays -> calibration.json and calibration.tables.md, seconds). The study reports themselves
-(`omgrpo study-report`, about a minute each without the figures): v3's report.md below its
-header (title, who wrote it when, the runs), and v2's except its base-checks section, which
+(`omgrpo study-report`, about a minute each without the figures): v4's and v3's report.md below
+their headers (title, who wrote it when, the runs), and v2's except its base-checks section, which
 reads the bare-guess world's base from the local cache (that base is not shipped). v1 committed
 no runs; its pre-registration still parses (tests/analysis/test_study.py)."""
 
@@ -45,6 +45,7 @@ def _body(text: str, leave_out: str | None) -> list[str]:
 @pytest.mark.parametrize(
     ("folder", "prereg", "leave_out"),
     [
+        ("collapse-study-v4", "PREREGISTRATION-v4.md", None),
         ("collapse-study-v3", "PREREGISTRATION-v3.md", None),
         ("collapse-study-v2", "PREREGISTRATION-v2.md", "## Base checks"),
     ],
