@@ -1,7 +1,7 @@
 """The committed studies regenerate from their compact runs (metrics.jsonl.xz, `omgrpo compact`)
 exactly as committed. The cheapest: the v2 study's calibration verdict (12 runs and 2 headroom
 replays -> calibration.json and calibration.tables.md, seconds). The study reports themselves
-(`omgrpo study-report`, about a minute each without the figures): v4's and v3's report.md below
+(`omgrpo study-report`, 14-18 s each without the figures): v4's and v3's report.md below
 their headers (title, who wrote it when, the runs), and v2's except its base-checks section, which
 reads the bare-guess world's base from the local cache (that base is not shipped). v1 committed
 no runs; its pre-registration still parses (tests/analysis/test_study.py)."""
