@@ -14,6 +14,8 @@ fit, part of one prompt's rows (`row_chunks`). Memory of a chunk of `prompts` pr
   copied per row) holds the prompt per row. Dropping finished rows copies one layer's K or V
   while the old one is alive (1 / (2 · layers) of the cache).
 - the prefill's working set of one layer over the prompt tokens (`layer_work_bytes`);
+- the lean decoder's copy of every block's q/k/v weights, in the order it reads them
+  (`omgrpo.generation.fused`; none with LoRA, whose layers run unfused: `ModelShape.fused`);
 - sampling over rows x vocab: b + 12 bytes per element (fp32 probabilities, cumulative sums),
   b + 32 with top-p < 1 (sort values, int64 order); the rows' uniform draws, 4 bytes per row
   and new token.
@@ -21,10 +23,13 @@ fit, part of one prompt's rows (`row_chunks`). Memory of a chunk of `prompts` pr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 import torch
+
+from omgrpo.generation.fused import decoder_fusable, qkv_copy_bytes
 
 # Decoder families `engine._LeanKV` implements: pre-norm blocks, rotary attention with grouped
 # KV heads (optional per-head q/k norms, as Qwen3), gated MLP, no sliding window or logit
@@ -48,6 +53,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     lean: bool  # generated and scored by the engine's Llama-family path
+    fused: bool = True  # ... with fused projections (no adapter layers: generation/fused.py)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K/V bytes per token of one row: layers × 2 × kv_heads × head_dim × bytes."""
@@ -77,9 +83,10 @@ def model_shape_of(model: torch.nn.Module) -> ModelShape | None:
     """The shape of a loaded causal LM, None when its config lacks a decoder's fields."""
     try:
         params = sum(p.numel() for p in model.parameters())
-        return ModelShape.from_config(model.config, params, type(model).__name__)
+        shape = ModelShape.from_config(model.config, params, type(model).__name__)
     except (AttributeError, TypeError):
         return None
+    return dataclasses.replace(shape, fused=decoder_fusable(model))
 
 
 # ----------------------------------------------------------------------------------------
@@ -126,7 +133,11 @@ def generation_bytes(
     copy = kv // (2 * shape.layers)  # one layer's K or V copied (finished rows dropped)
     prefill = (rows if per_row else prompts) * prompt_len * layer_work_bytes(shape, b)
     draws = rows * new_tokens * 4
-    return kv + copy + prefill + sampling_bytes(shape, b, rows, top_p) + draws
+    fused = 0
+    if shape.lean and shape.fused:
+        dims = (shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden)
+        fused = qkv_copy_bytes(*dims, b)
+    return kv + copy + prefill + sampling_bytes(shape, b, rows, top_p) + draws + fused
 
 
 # ----------------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ below it; identical rows are computed once.
 Decode (`decode`): one token per row per step on top of the prefill, a stop rule per row, and the
 batch ends once every row has stopped. Two interchangeable backends:
 
-- `_LeanKV`, for Llama-family decoders (Llama, Qwen2, Qwen3): the model's own modules, a KV cache
-  for the new tokens allocated once at the chunk's length (static shapes), and attention split
-  into the shared prefix (kept once per prefix node and read by all of its rows, never copied
-  per row) and each row's own new tokens. It skips the per-call work of an HF forward (mask
-  building, cache concatenation, repeating KV heads), which is most of a decode step for a
-  small model. On CUDA each step is replayed as a CUDA graph (`_CudaGraphSteps`); the stop
+- `_LeanKV`, for Llama-family decoders (Llama, Qwen2, Qwen3): the model's own weights, with
+  q/k/v and gate/up each one product where no adapter layer is in the way
+  (`omgrpo.generation.fused`), a KV cache for the new tokens allocated once at the chunk's
+  length (static shapes), and attention split into the shared prefix (kept once per prefix
+  node and read by all of its rows, never copied per row) and each row's own new tokens. It
+  skips the per-call work of an HF forward (mask building, cache concatenation, repeating KV
+  heads), which is most of a decode step for a small model: 20 kernel-launching operations
+  per block of a Qwen3 shape (`omgrpo bench generate`). On CUDA each step is replayed as a CUDA graph (`_CudaGraphSteps`); the stop
   tokens, sampling and bookkeeping stay on the device, and the host reads it once every
   `CHECK_EVERY` tokens.
 - `_HFKV`, for any causal LM: the HF forward on a `DynamicCache` (the reference the fast path is
@@ -37,6 +39,7 @@ row's result.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Callable, Hashable, Sequence
@@ -47,6 +50,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from omgrpo.generation.budget import LEAN_MODEL_TYPES  # the decoder families `_LeanKV` runs
+from omgrpo.generation.fused import FusedBlock, fuse_decoder
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,48 +107,57 @@ def sample_next_token(
     temperature: float,
     top_p: float,
     uniforms: torch.Tensor | None = None,
-    invalid: torch.Tensor | None = None,
+    log_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,), row b drawn with `uniforms[b]` in [0, 1) (default: the
-    global torch RNG). temperature 0 is greedy. `invalid`: `sample_categorical`'s flag."""
+    """logits (B, V) -> token ids (B,), row b drawn with `uniforms[b]` in [0, `UNIFORM_TOP`]
+    (default: the global torch RNG). temperature 0 is greedy. `log_mass`: as
+    `sample_categorical`'s."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    scaled = logits if temperature == 1.0 else logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the top token is always kept).
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return sample_categorical(probs, uniforms, invalid)
+    return sample_categorical(probs, uniforms, log_mass)
 
 
 def sample_categorical(
-    probs: torch.Tensor, uniforms: torch.Tensor | None = None, invalid: torch.Tensor | None = None
+    probs: torch.Tensor,
+    uniforms: torch.Tensor | None = None,
+    log_mass: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One draw per row of (B, V) non-negative weights -> (B,), by inverting each row's CDF
-    with one uniform per row (`uniforms` (B,) in [0, 1), default: the global torch RNG).
-    (`torch.multinomial` draws B x V exponentials, which on the CPU cost ~4 ms per toy decode
-    step at 512 x 390, a quarter of generation.) A token of weight 0 is never drawn.
+    with one uniform per row (`uniforms` (B,) in [0, `UNIFORM_TOP`], e.g. `row_uniforms`
+    times `UNIFORM_TOP`; default: the global torch RNG). (`torch.multinomial` draws B x V
+    exponentials, which on the CPU cost ~4 ms per toy decode step at 512 x 390, a quarter of
+    generation.) A token of weight 0 is never drawn.
 
-    Weights that are not a distribution raise a ValueError; with `invalid` (a bool tensor (1,))
-    they set it instead, on the device, so the decode loop need not read the device per token
-    (it reads the flag with its other checks)."""
+    Weights that are not a distribution raise a ValueError; with `log_mass` (a float tensor
+    (1,)) the sum of the rows' log total weights is added to it instead, on the device: it
+    stays finite exactly while every row's weights were (a total of 0, inf or nan has no
+    finite log), so the decode loop need not read the device per token."""
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
-    bad = ~(torch.isfinite(total) & (total > 0)).all()
-    if invalid is not None:
-        invalid |= bad
-    elif bool(bad):
+    if log_mass is not None:
+        log_mass += total.log().sum()
+    elif not bool(total.log().isfinite().all()):
         raise ValueError("sampling weights must be finite, non-negative and not all zero")
     if uniforms is None:
-        uniforms = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device)
+        uniforms = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device) * UNIFORM_TOP
+    # u < total (`UNIFORM_TOP`), so a position whose cumulative weight exceeds u exists, and
+    # its token has weight > 0 (a zero weight leaves the cumulative sum where it was)
     u = uniforms.to(cdf.dtype).view(total.shape) * total
-    # the first position whose cumulative weight exceeds u (u < total, so one exists up to
-    # round-off; at u == total the last token of positive weight)
-    index = torch.searchsorted(cdf, u, right=True).squeeze(-1)
-    last_positive = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(-1)
-    return torch.minimum(index, last_positive)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
+# The largest uniform `sample_categorical` takes: u * total then rounds to at most the float
+# below total (its exact value is at most total - total * 2^-23, never above that float in
+# float32 or float64), so the draw never falls off the end of the CDF.
+UNIFORM_TOP = 1.0 - 2.0**-23
 
 
 def row_uniforms(seed: int, rows: int, width: int) -> torch.Tensor:
@@ -384,8 +397,9 @@ class _Rows:
         self.alive = torch.ones(batch, dtype=torch.bool, device=device)
         self.tok = torch.full((batch,), pad_id, dtype=torch.long, device=device)
         self.step_t = torch.zeros(1, dtype=torch.long, device=device)  # the token drawn next
-        self.invalid = torch.zeros(1, dtype=torch.bool, device=device)  # a row's weights were bad
-        self.uniforms = None if uniforms is None else uniforms.to(device)
+        self.log_mass = torch.zeros(1, device=device)  # finite while every draw's weights were
+        # (`UNIFORM_TOP`: scaled once here rather than per draw)
+        self.uniforms = None if uniforms is None else uniforms.to(device) * UNIFORM_TOP
         self.pad_id, self.temperature, self.top_p, self.stop_ids = (
             pad_id,
             temperature,
@@ -394,17 +408,16 @@ class _Rows:
         )
 
     def sample(self, logits: torch.Tensor) -> None:
-        """Draw every row's next token from `logits` (B, V) and record it (pad for ended rows)."""
+        """Draw every row's next token from `logits` (B, V) and record it. An ended row still
+        draws (its draws are thrown away: `result` pads every row after its length)."""
         s = self.step_t
         draws = None if self.uniforms is None else self.uniforms[self.index, s]
-        tok = sample_next_token(logits, self.temperature, self.top_p, draws, self.invalid)
-        tok = tok.masked_fill(~self.alive, self.pad_id)
+        tok = sample_next_token(logits, self.temperature, self.top_p, draws, self.log_mass)
         self.out[self.index, s] = tok
         if self.stop_ids is not None:
-            # a comparison per stop id: `torch.isin` sorts (and syncs) for larger id sets
-            ended = self.alive & (tok[:, None] == self.stop_ids).any(-1)
-            self.lengths[self.index] = torch.where(ended, s + 1, self.lengths[self.index])
-            self.alive &= ~ended
+            # a comparison per stop id: `torch.isin` sorts (and syncs) for larger id sets; the
+            # lengths are read off `out` at the end (`result`)
+            self.alive &= (tok[:, None] != self.stop_ids).all(-1)
         self.tok.copy_(tok)
         self.step_t += 1
 
@@ -418,18 +431,25 @@ class _Rows:
     def read_alive(self) -> list[bool]:
         """Which batch positions are open, read from the device in one copy; raises if any
         row's sampling weights were not a distribution since the last read."""
-        flags = torch.cat([self.invalid, self.alive]).tolist()
-        if flags[0]:
+        flags = torch.cat([self.log_mass, self.alive]).tolist()
+        if not math.isfinite(flags[0]):
             raise ValueError("sampling weights must be finite, non-negative and not all zero")
-        return flags[1:]
+        return [bool(f) for f in flags[1:]]
 
     def keep(self, index: torch.Tensor) -> None:
         self.index, self.alive, self.tok = self.index[index], self.alive[index], self.tok[index]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if bool(self.invalid):
+        """(tokens, lengths): each row's tokens up to its stop token (included), then pads."""
+        if not bool(self.log_mass.isfinite().all()):
             raise ValueError("sampling weights must be finite, non-negative and not all zero")
-        return self.out[:, : int(self.lengths.max())], self.lengths
+        width = self.out.shape[1]
+        if self.stop_ids is not None:  # a row ends at its first stop token
+            stops = (self.out[..., None] == self.stop_ids).any(-1)
+            self.lengths = torch.where(stops.any(-1), stops.int().argmax(-1) + 1, width)
+        after = torch.arange(width, device=self.out.device) >= self.lengths[:, None]
+        out = self.out.masked_fill(after, self.pad_id)
+        return out[:, : int(self.lengths.max())], self.lengths
 
 
 class _CudaGraphSteps:
@@ -535,17 +555,24 @@ class _HFKV:
 
 
 class _LeanKV:
-    """Llama-family decoding with the model's own modules: the prefill's cache is the shared
+    """Llama-family decoding with the model's own weights: the prefill's cache is the shared
     prefix (one copy per prefilled row, read by its `group` rows through a batched matmul),
     new tokens go to a cache per row, and attention is one softmax over both.
 
     The new tokens' cache is allocated once at `max_new_tokens` (the chunk's planned length,
     `omgrpo.generation.budget`), zeroed, and written in place: its shapes never change, so a
-    step can be captured as a CUDA graph. Without `bucket` a step attends over exactly the
-    tokens so far; with it, over a width rounded up to a multiple of `bucket` (static within
-    a bucket), the slots not yet written hidden by an additive bias computed on the device.
-    Dropping rows copies one layer's K or V at a time, so at most one layer's old copy is
-    alive beside the cache."""
+    step can be captured as a CUDA graph. It is laid out by prefix node, (nodes, KV heads,
+    `group`, tokens, head dim), as a step's queries and keys are (`decode_forward`), so the
+    attention reads them and writes the new keys in place. Without
+    `bucket` a step attends over exactly the tokens so far; with it, over a width rounded up to
+    a multiple of `bucket` (static within a bucket), the slots not yet written hidden by an
+    additive bias computed on the device. Dropping rows copies one layer's K or V at a time, so
+    at most one layer's old copy is alive beside the cache.
+
+    Projections run fused (`omgrpo.generation.fused`) where the blocks allow it, else on their
+    modules (peft's LoRA layers). Rows of one prefix node share their positions, and a step's
+    rotary embedding is one (D, D) matrix per node (`rotation_basis`), gathered from a table of
+    the model's own cos / sin: q and k rotate in one product."""
 
     def __init__(self, model, cache, mask, next_pos, group: int, max_new_tokens: int, bucket=None):
         self.model = model
@@ -562,18 +589,22 @@ class _LeanKV:
         self.group, self.bucket, self.t = group, bucket, 0  # t: new tokens in the cache
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # t on the device
         self.slots = torch.arange(max_new_tokens, device=device)
-        self.pos = next_pos.repeat_interleave(group, dim=0)
-        shape = (nodes * group, kv_heads, max_new_tokens, head_dim)
+        shape = (nodes, kv_heads, group, max_new_tokens, head_dim)
         n_layers = len(model.model.layers)
         self.new_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.new_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.blocks = fuse_decoder(model)
+        # each node's rotary cos / sin for its new tokens' positions (its rows share them)
+        positions = next_pos.view(-1, 1) + self.slots
+        self.rotary = rotary_table(model, int(positions.max()) + 1, dtype, device)[positions]
+        self.basis = rotation_basis(head_dim, dtype, device)
         self._width, self._own_bias = 0, None
 
     def width(self) -> int:
         """The own-token width the next step attends over."""
         if self.bucket is None:
             return self.t + 1
-        return min(self.new_k[0].shape[2], -(-(self.t + 1) // self.bucket) * self.bucket)
+        return min(self.new_k[0].shape[3], -(-(self.t + 1) // self.bucket) * self.bucket)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -591,19 +622,17 @@ class _LeanKV:
             hidden = self.slots[: self._width] > self.slot
             zeros = torch.zeros(self._width, dtype=self.bias.dtype, device=self.bias.device)
             self._own_bias = zeros.masked_fill(hidden, torch.finfo(self.bias.dtype).min)
-        hidden = lean_forward(self.model, tokens[:, None], self.pos, self._attend)
+        dim = self.new_k[0].shape[-1]
+        rotation = (self.rotary.index_select(1, self.slot) @ self.basis).view(-1, dim, dim)
+        hidden = decode_forward(self.model, self.blocks, tokens, rotation, self._attend)
         self.slot += 1
-        self.pos += 1
-        return self.model.lm_head(hidden)[:, -1, :]
+        return self.model.lm_head(hidden)
 
-    def _attend(self, i: int, q, k, v, scaling: float) -> torch.Tensor:
-        """q (B, H, 1, D), k / v (B, kv heads, 1, D) of the new token -> (B, 1, H * D)."""
-        self.new_k[i].index_copy_(2, self.slot, k)
-        self.new_v[i].index_copy_(2, self.slot, v)
-        width = self._width
-        own = (self.new_k[i][:, :, :width], self.new_v[i][:, :, :width], self._own_bias)
+    def _attend(self, i: int, qk, v) -> torch.Tensor:
+        """`decode_forward`'s attention: the new key and values to the cache, then attention."""
+        own = (self.new_k[i], self.new_v[i], self._width, self._own_bias)
         prefix = (self.prefix_k[i], self.prefix_v[i], self.bias)
-        return prefix_attention(q, prefix, own, self.group, scaling)
+        return prefix_attention(qk, v, prefix, own, self.slot)
 
     def positions_to_keep(self, alive: list[bool]) -> list[int]:
         """Batch positions of the prefix nodes with a row still alive (all of their rows)."""
@@ -615,17 +644,14 @@ class _LeanKV:
         """Keep the rows at `index`: whole prefix nodes (`positions_to_keep`)."""
         nodes = index[:: self.group] // self.group
         # one layer at a time: the old copy of a layer is freed before the next is copied
-        for cache, rows in ((self.prefix_k, nodes), (self.prefix_v, nodes)):
+        for cache in (self.prefix_k, self.prefix_v, self.new_k, self.new_v):
             for i in range(len(cache)):
-                cache[i] = cache[i].index_select(0, rows)
-        for cache in (self.new_k, self.new_v):
-            for i in range(len(cache)):
-                cache[i] = cache[i].index_select(0, index)
+                cache[i] = cache[i].index_select(0, nodes)
         bias_rows = (
             nodes[:, None] * self.kv_heads + torch.arange(self.kv_heads, device=nodes.device)
         ).flatten()
         self.bias = self.bias[bias_rows]
-        self.pos = self.pos[index]
+        self.rotary = self.rotary.index_select(0, nodes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -634,25 +660,119 @@ class _LeanKV:
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 """(layer, q (B, H, T, D), k / v (B, kv heads, T, D) after rotary, scaling) -> (B, T, H * D)."""
 
+DecodeAttend = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(layer, qk (N, kv heads, n, g + 1, D): per prefix node, KV head and row, the g query heads
+that read the KV head (scaled) and the key, rotated; v (N, kv heads, n, D), views allowed)
+-> (B, H * D)."""
+
+
+def decode_forward(
+    model: torch.nn.Module,
+    blocks: list[FusedBlock] | None,
+    tokens: torch.Tensor,
+    rotation: torch.Tensor,
+    attend: DecodeAttend,
+) -> torch.Tensor:
+    """tokens (B,) -> final-norm hidden states (B, hidden) of one decode step: rows in N prefix
+    nodes of B / N rows, node i's rows rotated by its (D, D) `rotation[i]` (`rotation_basis`:
+    a node's rows share their positions); attention delegated to `attend` (which owns the KV
+    cache).
+
+    Each block lays its new queries and keys out by node and KV head in one elementwise pass
+    (which also scales the queries, and with `q_norm` / `k_norm` multiplies in their
+    weights), so one product rotates them all and the attention reads them in place. With
+    `blocks` (`fuse_decoder`): one product for q/k/v and one for gate/up, q_norm and k_norm as
+    one unweighted RMSNorm, and each residual added by the product that makes it (`addmm`).
+    Without: the modules (peft's LoRA layers included), as `lean_forward` runs them."""
+    inner = model.model
+    x = inner.embed_tokens(tokens)
+    nodes = rotation.shape[0]
+    for i, layer in enumerate(inner.layers):
+        attn, d = layer.self_attn, layer.self_attn.head_dim
+        h = rms_norm(layer.input_layernorm, x)
+        if blocks is None:
+            qk, v = _module_queries_keys(attn, h, nodes)
+        else:
+            qk, v = _fused_queries_keys(blocks[i], h, nodes, d)
+        qk = torch.bmm(qk.view(nodes, -1, d), rotation).view(qk.shape)
+        out = attend(i, qk, v)
+        if blocks is None:
+            x = x + attn.o_proj(out)
+            x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
+            continue
+        b = blocks[i]
+        x = torch.addmm(x, out, b.o_weight.t())
+        gate_up = F.linear(rms_norm(layer.post_attention_layernorm, x), b.gate_up_weight)
+        gate, up = gate_up.chunk(2, -1)
+        x = torch.addmm(x, layer.mlp.act_fn(gate) * up, b.down_weight.t())
+    return rms_norm(inner.norm, x)
+
+
+def _fused_queries_keys(b: FusedBlock, h: torch.Tensor, nodes: int, d: int):
+    """`decode_forward`'s (qk before rotation, v) from one fused product."""
+    batch = h.shape[0]
+    qkv = F.linear(h, b.qkv_weight, b.qkv_bias)
+    kv_heads, _, g1, _ = b.qk_scale.shape
+    qk = qkv[:, : b.qk_width].view(nodes, batch // nodes, kv_heads, g1, d)
+    if b.qk_eps is not None:  # HF's order: normalise, round, then the weight
+        qk = F.rms_norm(qk, (d,), None, b.qk_eps)
+    laid = torch.empty((nodes, kv_heads, batch // nodes, g1, d), dtype=h.dtype, device=h.device)
+    torch.mul(qk.transpose(1, 2), b.qk_scale, out=laid)  # `out`: the node layout
+    v = qkv[:, b.qk_width :].view(nodes, batch // nodes, kv_heads, d).transpose(1, 2)
+    return laid, v
+
+
+def _module_queries_keys(attn: torch.nn.Module, h: torch.Tensor, nodes: int):
+    """`decode_forward`'s (qk before rotation, v) from the attention's modules."""
+    batch, d = h.shape[0], attn.head_dim
+    n = batch // nodes
+    q, k = attn.q_proj(h).view(batch, -1, d), attn.k_proj(h).view(batch, -1, d)
+    if hasattr(attn, "q_norm"):
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+    kv_heads = k.shape[1]
+    g = q.shape[1] // kv_heads
+    laid = torch.empty((nodes, kv_heads, n, g + 1, d), dtype=q.dtype, device=q.device)
+    laid[..., :g, :] = q.view(nodes, n, kv_heads, g, d).transpose(1, 2) * attn.scaling
+    laid[..., g, :] = k.view(nodes, n, kv_heads, d).transpose(1, 2)
+    v = attn.v_proj(h).view(nodes, n, kv_heads, d).transpose(1, 2)
+    return laid, v
+
+
+def rotary_table(model: torch.nn.Module, positions: int, dtype, device) -> torch.Tensor:
+    """(positions, 2 D): the model's rotary cos and sin for positions 0 .. positions - 1, made by
+    its own `rotary_emb` (each position's values do not depend on the others asked with it)."""
+    inner = model.model
+    ids = torch.arange(positions, device=device)[None]
+    probe = torch.zeros((), dtype=dtype, device=device)
+    cos, sin = inner.rotary_emb(probe, ids)
+    return torch.cat([cos[0], sin[0]], dim=-1)
+
+
+def rotation_basis(dim: int, dtype, device) -> torch.Tensor:
+    """(2 D, D * D) with [cos, sin] @ basis = `rotation_matrices(cos, sin)` flattened: every
+    entry of the product is one of cos, sin, -sin or 0 times 1, exact in any dtype."""
+    key = (dim, dtype, device)
+    if key not in _BASIS:  # made once, outside any CUDA graph capture
+        eye = torch.eye(dim, dtype=dtype, device=device)
+        signs = rotation_matrices(eye[:1] * 0, eye[:1] * 0 + 1)[0]  # rotate_half's matrix
+        cos_part = torch.diag_embed(eye)  # cos j -> entry (j, j)
+        sin_part = eye[:, None, :] * signs[None]  # sin j -> column j, signed
+        _BASIS[key] = torch.cat([cos_part, sin_part]).reshape(2 * dim, dim * dim)
+    return _BASIS[key]
+
+
+_BASIS: dict[tuple, torch.Tensor] = {}
+
 
 def lean_forward(
     model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend: Attend
 ) -> torch.Tensor:
     """ids (B, T), positions (B, T) -> final-norm hidden states (B, T, hidden): the model's own
-    modules in HF's order, with attention delegated to `attend` (which owns the KV cache).
-
-    With one token per row (decoding) the rotary embedding is applied as one (D, D) matrix per
-    row (`rotation_matrices`, made once for all layers), with the attention scaling folded into
-    the queries' matrix: 2 kernels per layer where HF's elementwise form launches 10 and a
-    scaling product; `attend` is then told the scaling is 1."""
+    modules in HF's order, with attention delegated to `attend` (which owns the KV cache)."""
     inner = model.model
     x = inner.embed_tokens(ids)
     cos, sin = inner.rotary_emb(x, positions)
     batch, width = ids.shape
-    rotate_k = rotate_q = None
-    if width == 1:
-        rotate_k = rotation_matrices(cos[:, 0], sin[:, 0])
-        rotate_q = rotate_k * inner.layers[0].self_attn.scaling
     for i, layer in enumerate(inner.layers):
         attn = layer.self_attn
         h = rms_norm(layer.input_layernorm, x)
@@ -661,15 +781,9 @@ def lean_forward(
         k = attn.k_proj(h).view(shape)
         if hasattr(attn, "q_norm"):
             q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
-        if rotate_q is None:
-            q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            scaling = attn.scaling
-        else:  # (B, 1, heads, D) -> (B, heads, 1, D), rotated and (q) scaled
-            q = torch.bmm(q.view(batch, -1, attn.head_dim), rotate_q).unsqueeze(2)
-            k = torch.bmm(k.view(batch, -1, attn.head_dim), rotate_k).unsqueeze(2)
-            scaling = 1.0
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         v = attn.v_proj(h).view(shape).transpose(1, 2)
-        x = x + attn.o_proj(attend(i, q, k, v, scaling))
+        x = x + attn.o_proj(attend(i, q, k, v, attn.scaling))
         x = x + layer.mlp(rms_norm(layer.post_attention_layernorm, x))
     return rms_norm(inner.norm, x)
 
@@ -702,46 +816,49 @@ def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
 
 
-def prefix_attention(q, prefix, own, group: int, scaling: float = 1.0) -> torch.Tensor:
-    """Attention of rows over a prefix they share plus their own keys, with one softmax.
+def prefix_attention(qk, v, prefix, own, slot: torch.Tensor) -> torch.Tensor:
+    """Decoding attention of rows over a prefix they share plus their own keys, one softmax.
 
-    q (B, H, T, D); `prefix` = (k, v (N, kv heads, W, D) contiguous, additive bias
-    (N * kv heads, 1, W): `prefix_bias`) with B = N * `group`: rows [n*group, (n+1)*group)
-    read prefix n, through one batched matmul per node and KV head (the prefix is never copied
-    per row); `own` = (k, v (B, kv heads, S, D), views allowed, additive bias broadcastable to
-    (T, S) or None). Query head h reads KV head h // (H / kv heads), HF's `repeat_kv` order.
-    Returns (B, T, H * D). Bias additions ride on the matmuls (`baddbmm`): 9 kernels per call.
+    `qk` (N, kv heads, n, g + 1, D): per prefix node, KV head and row, the g query heads that
+    read the KV head (scaled) and then the row's new key; `v` (N, kv heads, n, D) its new
+    values (views allowed), written to the own cache at `slot` first. `prefix` = (k, v (N,
+    kv heads, W, D) contiguous, additive bias (N * kv heads, 1, W): `prefix_bias`); `own` =
+    (k, v caches (N, kv heads, n, S_max, D), the width S attended, additive bias (S,) or None).
+    Row n * i + r reads prefix i through one batched product per node and KV head (the prefix
+    is never copied per row); query head h reads KV head h // g, HF's `repeat_kv` order.
+    Returns (B, H * D), B = N * n. The prefix product runs over the keys' rows too (their
+    scores are dropped): the queries are read in place, with no copy into a layout of their
+    own. Every product writes a whole new tensor (the CPU's batched product loops over the
+    batch when its output is a strided view): 9 kernels per call (10 in
+    half precision, with the softmax's cast back).
     """
-    (pk, pv, pbias), (ok, ov, obias) = prefix, own
-    batch, heads, t, dim = q.shape
-    nodes, kv_heads, width, _ = pk.shape
-    n, g, own_width = group, heads // kv_heads, ok.shape[2]
-    if scaling != 1.0:
-        q = q * scaling
-    rows_q = q.reshape(batch * kv_heads, g * t, dim)
-    node_q = q.reshape(nodes, n, kv_heads, g * t, dim).transpose(1, 2)
-    node_q = node_q.reshape(nodes * kv_heads, n * g * t, dim)
+    (pk, pv, pbias), (ok_cache, ov_cache, own_width, obias) = prefix, own
+    nodes, kv_heads, n, g1, dim = qk.shape
+    g, width, batch = g1 - 1, pk.shape[2], nodes * n
+    ok_cache.index_copy_(3, slot, qk[..., g:, :])
+    ov_cache.index_copy_(3, slot, v.unsqueeze(3))
     pk3, pv3 = (x.view(nodes * kv_heads, width, dim) for x in (pk, pv))
-    ok3, ov3 = (x.reshape(batch * kv_heads, own_width, dim) for x in (ok, ov))
-    scores_p = torch.baddbmm(pbias, node_q, pk3.transpose(1, 2))  # (N kvh, n g T, W)
+    ok3, ov3 = (
+        x[..., :own_width, :].view(batch * kv_heads, own_width, dim) for x in (ok_cache, ov_cache)
+    )
+    scores_p = torch.baddbmm(pbias, qk.view(nodes * kv_heads, n * g1, dim), pk3.transpose(1, 2))
+    q_rows = qk[..., :g, :].view(batch * kv_heads, g, dim)
     if obias is None:
-        scores_own = torch.bmm(rows_q, ok3.transpose(1, 2))
+        scores_own = torch.bmm(q_rows, ok3.transpose(1, 2))
     else:
-        scores_own = torch.baddbmm(obias.expand(t, own_width), rows_q, ok3.transpose(1, 2))
-    node_shape = (nodes, n, kv_heads, g * t)
+        scores_own = torch.baddbmm(obias, q_rows, ok3.transpose(1, 2))
     scores = torch.cat(
         [
-            scores_p.view(nodes, kv_heads, n, g * t, width).transpose(1, 2),
-            scores_own.view(*node_shape, own_width),
+            scores_p.view(nodes, kv_heads, n, g1, width)[..., :g, :],
+            scores_own.view(nodes, kv_heads, n, g, own_width),
         ],
         dim=-1,
-    )  # (N, n, kvh, g T, W + S) = (B, kvh, g T, W + S)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    probs_p = probs[..., :width].transpose(1, 2).reshape(nodes * kv_heads, n * g * t, width)
-    out_p = torch.bmm(probs_p, pv3).view(nodes, kv_heads, n, g * t, dim).transpose(1, 2)
-    probs_own = probs[..., width:].reshape(batch * kv_heads, g * t, own_width)
-    out = torch.baddbmm(out_p.reshape(batch * kv_heads, g * t, dim), probs_own, ov3)
-    return out.view(batch, heads, t, dim).transpose(1, 2).reshape(batch, t, heads * dim)
+    )
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qk.dtype)
+    probs_p = probs[..., :width].view(nodes * kv_heads, n * g, width)
+    out = torch.bmm(probs_p, pv3).view(batch * kv_heads, g, dim)
+    out.baddbmm_(probs[..., width:].view(batch * kv_heads, g, own_width), ov3)
+    return out.view(nodes, kv_heads, n, g, dim).transpose(1, 2).reshape(batch, -1)
 
 
 def prefix_bias(mask: torch.Tensor, dtype: torch.dtype, kv_heads: int) -> torch.Tensor:

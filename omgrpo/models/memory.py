@@ -22,7 +22,8 @@ planned at its longest: a batch is padded to its longest row).
   working set of one layer over all prompt tokens, tokens · (b·(2h + 2·H·D + 2·Hkv·D + 3I) +
   8h) (the 8h: RMSNorm's fp32 copies), + sampling over rows × V: b + 12 bytes per element
   (fp32 probabilities, cumulative sums), b + 32 with top-p < 1 (sort values, int64 order), +
-  the rows' uniform draws (4 bytes per row and new token). A chunk is the most rows (whole
+  the rows' uniform draws (4 bytes per row and new token), + the lean decoder's copy of the
+  q/k/v weights, L · (H + 2·Hkv) · D · h · b (none with LoRA). A chunk is the most rows (whole
   prompts with their rollout.n rows, else part of one prompt's) whose transient fits what the
   resident state leaves of the device, or whose K/V holds at most rollout.max_batch_tokens
   tokens when that is set; validation at most eval.batch_size rows, CAR at most
@@ -639,9 +640,12 @@ def plan_memory(
     `model_dir`, on a `device_type` device of `device_bytes` bytes."""
     sizes = sizes_from_config(cfg, device_type)
     lora = getattr(cfg.model, "lora", None)
+    shape = model_shape(str(model_dir))
     if lora is not None:
         sizes = dataclasses.replace(sizes, lora=lora_shape(str(model_dir), lora))
-    return build_plan(model_shape(str(model_dir)), sizes, device_bytes, str(model_dir))
+    if sizes.lora is not None:  # peft's layers decode unfused: no q/k/v copy
+        shape = dataclasses.replace(shape, fused=False)
+    return build_plan(shape, sizes, device_bytes, str(model_dir))
 
 
 def build_plan(shape: ModelShape, s: Sizes, device_bytes: int, model_dir: str = "") -> MemoryPlan:

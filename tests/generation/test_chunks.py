@@ -274,21 +274,23 @@ def test_chunk_rows_by_hand():
     """fp32 (4 bytes), 4 rows per prompt, prompts of 10 tokens, 20 new tokens, top-p 1.
 
     K/V per token: 2 layers x 2 x 1 K/V head x 4 x 4 B = 64 B; one layer's prefill work per
-    prompt token 4 x (2·8 + 2·8 + 2·4 + 3·16) + 8·8 = 416 B.
+    prompt token 4 x (2·8 + 2·8 + 2·4 + 3·16) + 8·8 = 416 B; the decoder's q/k/v copy
+    2 layers x (2 + 2·1) heads x 4 x 8 x 4 B = 1024 B.
     k whole prompts (4k rows): K/V (10k + 80k) x 64 = 5760k, its one-layer copy / 4 = 1440k,
     prefill 10k x 416 = 4160k, sampling 4k x 10 x (4 + 12) = 640k, draws 4k x 20 x 4 = 320k:
-    12320k bytes. r < 4 rows of one prompt: K/V (10 + 20r) x 64 = 640 + 1280r, copy
-    160 + 320r, prefill 4160, sampling 160r, draws 80r: 4960 + 1840r bytes.
+    12320k + 1024 bytes. r < 4 rows of one prompt: K/V (10 + 20r) x 64 = 640 + 1280r, copy
+    160 + 320r, prefill 4160, sampling 160r, draws 80r: 5984 + 1840r bytes.
     """
     kw = dict(rows=24, group=4, prompt_len=10, new_tokens=20, top_p=1.0)
     lengths = dict(prompt_len=10, new_tokens=20, top_p=1.0)
-    assert budget.generation_bytes(SHAPE, 4, prompts=3, rows=12, **lengths) == 36960
-    assert budget.generation_bytes(SHAPE, 4, prompts=1, rows=2, **lengths) == 8640
+    assert budget.generation_bytes(SHAPE, 4, prompts=3, rows=12, **lengths) == 37984
+    assert budget.generation_bytes(SHAPE, 4, prompts=1, rows=2, **lengths) == 9664
     by_budget = {
-        40_000: 12,  # 3 prompts: 36960; 4: 49280
-        12_320: 4,  # exactly one prompt
-        10_000: 2,  # 2 rows: 8640; 3: 10480
-        8_000: 1,  # 1 row: 6800
+        40_000: 12,  # 3 prompts: 37984; 4: 50304
+        13_344: 4,  # exactly one prompt
+        13_343: 3,  # 3 rows of it: 11504
+        10_000: 2,  # 2 rows: 9664; 3: 11504
+        8_000: 1,  # 1 row: 7824
         100: 1,  # nothing fits: still one row (the plan refuses it)
         10**9: 24,  # everything
     }

@@ -63,12 +63,16 @@ def test_bucketed_attention_widths_give_the_exact_widths_logits(bucket):
 
 
 def test_sample_categorical_flags_bad_weights_on_the_device_when_asked():
-    invalid = torch.zeros(1, dtype=torch.bool)
+    """With `log_mass` the check is a sum on the device: finite exactly while every row's
+    weights were a distribution."""
+    log_mass = torch.zeros(1)
     probs = torch.tensor([[0.5, 0.5], [0.2, 0.8]])
-    engine.sample_categorical(probs, torch.tensor([0.1, 0.9]), invalid)
-    assert not invalid.item()
-    engine.sample_categorical(torch.tensor([[0.5, float("nan")]]), torch.tensor([0.3]), invalid)
-    assert invalid.item()
+    engine.sample_categorical(probs, torch.tensor([0.1, 0.9]), log_mass)
+    assert log_mass.isfinite().item()
+    for bad in ([[0.5, float("nan")]], [[0.5, float("inf")]], [[0.0, 0.0]]):
+        log_mass = torch.zeros(1)
+        engine.sample_categorical(torch.tensor(bad), torch.tensor([0.3]), log_mass)
+        assert not log_mass.isfinite().item(), bad
 
 
 def _greedy(model, tok, prompts, group, max_new_tokens, stop):
