@@ -304,11 +304,19 @@ def tree_of(ref: str | None):
         return
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(tmp) / "tree"
-        subprocess.run(
+        made = subprocess.run(
             ["git", "-C", str(TREE), "worktree", "add", "--detach", str(where), ref],
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if made.returncode != 0:  # checked before anything is measured
+            why = (made.stderr.strip().splitlines() or ["git worktree add failed"])[-1]
+            raise InputError(
+                why,
+                key="--compare",
+                found=ref,
+                expected=f"a directory or a commit of the git repository at {TREE}",
+            )
         try:
             yield where
         finally:
@@ -444,8 +452,9 @@ def compile_check(config: dict) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config)).eval()
     prompts = _random_prompts(config["vocab_size"], 2, 16)
-    logits, cache, mask, pos = engine.prefix_tree_forward(model, prompts, [[0, 0]], 0)
-    kv = engine._LeanKV(model, cache, mask, pos, 2, 16, engine.WIDTH_BUCKET)
+    with torch.no_grad():  # as `sample` builds it: the fused projections
+        logits, cache, mask, pos = engine.prefix_tree_forward(model, prompts, [[0, 0]], 0)
+        kv = engine._LeanKV(model, cache, mask, pos, 2, 16, engine.WIDTH_BUCKET)
     uniforms = engine.row_uniforms(0, 4, 16)
     stop_ids = torch.tensor([-1])
     rows = engine._Rows(4, 16, 0, torch.device("cpu"), uniforms, 1.0, 1.0, stop_ids)

@@ -82,3 +82,16 @@ def test_bench_generate_measures_this_tree_against_another(tmp_path):
         assert result[side]["host_reads_per_step"] <= 1  # the CPU reads after every token
     assert result["speedup"] > 0 and result["limit"]["ms_per_decode_step"] > 0
     assert result["compile"]["fullgraph"] and result["compile"]["graph_breaks"] == 0
+
+
+def test_a_compare_ref_that_is_neither_a_directory_nor_a_commit_is_named():
+    """Refused before anything is measured, naming the flag and the ref (was a traceback)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "omgrpo", "bench", "generate", "--compare", "no-such-ref-xyz"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode != 0
+    assert "--compare" in out.stderr and "no-such-ref-xyz" in out.stderr
+    assert "Traceback" not in out.stderr and "internal error" not in out.stderr
