@@ -177,6 +177,20 @@ def test_sample_categorical_at_the_top_of_the_cdf_draws_the_last_possible_token(
     assert engine.sample_categorical(probs).tolist() == [1, 3]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_top_uniform_never_falls_off_the_cdf_or_onto_a_zero_weight(dtype):
+    """`UNIFORM_TOP` times any total rounds below the total: with the largest uniform, 10,000
+    random rows (totals from 1e-30 to 1e30, a zero-weight tail as top-p leaves) each draw a
+    token of positive weight."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand((10_000, 7), generator=g, dtype=dtype)
+    probs *= 10.0 ** torch.randint(-30, 31, (10_000, 1), generator=g).to(dtype)
+    probs[:, 5:] = 0.0
+    top = torch.full((10_000,), engine.UNIFORM_TOP, dtype=dtype)
+    tok = engine.sample_categorical(probs, top)
+    assert (tok <= 4).all() and (probs[torch.arange(10_000), tok] > 0).all()
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_sample_categorical_rejects_weights_that_are_not_a_distribution(bad):
     with pytest.raises(ValueError, match="finite"):
