@@ -8,11 +8,12 @@ A decode step is a chain of small products; one product where there were three (
   parameters, their optimizer state and its memory, and the HF forward, `state_dict`,
   checkpoints and `save_pretrained` (which clones shared tensors) see the same values. Later
   calls find the rows adjacent and only view them.
-- q/k/v: a copy made per generation (the weights change between them), its rows in the order the
-  decoder wants its output: for each KV head, the query heads that read it and then the key
-  head, then the values. One elementwise pass can then lay a step's queries and keys out by
-  prefix node and scale them (`omgrpo.generation.engine.decode_forward`). It costs the
-  projection's weights once more while a chunk decodes (`budget.generation_bytes` counts it).
+- q/k/v: a copy made for each chunk a generation decodes (the weights change between
+  generations; a chunk's copy is freed with it), its rows in the order the decoder wants its
+  output: for each KV head, the query heads that read it and then the key head, then the
+  values. One elementwise pass can then lay a step's queries and keys out by prefix node and
+  scale them (`omgrpo.generation.engine.decode_forward`). It costs the projection's weights
+  once more while a chunk decodes (`budget.generation_bytes` counts it).
 
 Products with these matrices carry no gradient to the modules, so the decoder uses them only
 without grad (`fuse_decoder` returns None with grad enabled). A projection that is not a plain
