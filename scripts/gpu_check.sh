@@ -7,7 +7,9 @@
 # for Qwen2.5-7B. Each part has its own time limit, so one that fails or hangs does not stop
 # the others. How it ran on leases of 2026-11-27 and 2026-11-28: docs/performance.md.
 #   scripts/gpu_check.sh OUT_DIR [BASELINE_TREE]      (PYTHON=... picks the interpreter)
-# BASELINE_TREE: a directory holding an older omgrpo/ (e.g. .baseline/14a048d, carried).
+# BASELINE_TREE: a directory holding an older omgrpo/ (e.g. .baseline/14a048d, carried), made
+# with `mkdir -p .baseline/REV && git archive REV omgrpo | tar -x -C .baseline/REV`; b478ec7 is
+# the last decoder the leases validated (before the fused projections of 34334ff).
 set -uo pipefail
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR [BASELINE_TREE]}
 baseline=${2:-}
