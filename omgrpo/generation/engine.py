@@ -754,7 +754,8 @@ def rotation_basis(dim: int, dtype, device) -> torch.Tensor:
     key = (dim, dtype, device)
     if key not in _BASIS:  # made once, outside any CUDA graph capture
         eye = torch.eye(dim, dtype=dtype, device=device)
-        signs = rotation_matrices(eye[:1] * 0, eye[:1] * 0 + 1)[0]  # rotate_half's matrix
+        zero, one = eye.new_zeros(1, dim), eye.new_ones(1, dim)
+        signs = rotation_matrices(zero, one)[0]  # rotate_half as a signed permutation
         cos_part = torch.diag_embed(eye)  # cos j -> entry (j, j)
         sin_part = eye[:, None, :] * signs[None]  # sin j -> column j, signed
         _BASIS[key] = torch.cat([cos_part, sin_part]).reshape(2 * dim, dim * dim)
