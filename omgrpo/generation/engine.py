@@ -385,10 +385,11 @@ def decode(
 
 
 class _Rows:
-    """The decoded rows on the device: their tokens, lengths and which are still open, with
-    sampling and the stop tokens written without host reads (a step can be graph-captured).
-    Rows are kept in their original order in `out` / `lengths`; `index` maps the batch's
-    positions to them (rows are dropped from the batch, never from the result)."""
+    """The decoded rows on the device: their tokens and which are still open, with sampling and
+    the stop tokens written without host reads (a step can be graph-captured). Rows are kept in
+    their original order in `out`; `index` maps the batch's positions to them (rows are dropped
+    from the batch, never from the result). Lengths: read off `out` at the end with stop
+    tokens (`result`), kept in `lengths` by a host rule (`end_on_host`)."""
 
     def __init__(self, batch, width, pad_id, device, uniforms, temperature, top_p, stop_ids):
         self.out = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
