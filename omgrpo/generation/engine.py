@@ -694,7 +694,7 @@ def decode_forward(
         if blocks is None:
             qk, v = _module_queries_keys(attn, h, nodes)
         else:
-            qk, v = _fused_queries_keys(blocks[i], h, nodes, d)
+            qk, v = _fused_queries_keys(blocks[i], h, nodes)
         qk = torch.bmm(qk.view(nodes, -1, d), rotation).view(qk.shape)
         out = attend(i, qk, v)
         if blocks is None:
@@ -709,11 +709,11 @@ def decode_forward(
     return rms_norm(inner.norm, x)
 
 
-def _fused_queries_keys(b: FusedBlock, h: torch.Tensor, nodes: int, d: int):
+def _fused_queries_keys(b: FusedBlock, h: torch.Tensor, nodes: int):
     """`decode_forward`'s (qk before rotation, v) from one fused product."""
     batch = h.shape[0]
     qkv = F.linear(h, b.qkv_weight, b.qkv_bias)
-    kv_heads, _, g1, _ = b.qk_scale.shape
+    kv_heads, _, g1, d = b.qk_scale.shape
     qk = qkv[:, : b.qk_width].view(nodes, batch // nodes, kv_heads, g1, d)
     if b.qk_eps is not None:  # HF's order: normalise, round, then the weight
         qk = F.rms_norm(qk, (d,), None, b.qk_eps)
